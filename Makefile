@@ -1,0 +1,30 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# Real sharding on CPU: 8 host devices in every test process.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+run: install
+	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
+
+test: install
+	$(TEST_ENV) $(PY) -m pytest -q tests
+
+bench: install
+	$(PY) scripts/bench_store.py --json runs/bench_store.json
+
+clean:
+	rm -rf $(VENV) runs *.egg-info

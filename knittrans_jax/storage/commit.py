@@ -1,0 +1,47 @@
+"""The commit marker: the committed extent of every array of a unit."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tensorstore as ts
+
+from knittrans_jax.storage import layout as L
+from knittrans_jax.storage.errors import CorruptUnitError
+
+
+@dataclasses.dataclass(frozen=True)
+class Commit:
+  rows: int = 0
+  tokens: int = 0
+  refs: int = 0
+  images: int = 0
+  image_bytes: int = 0
+
+  def to_array(self) -> np.ndarray:
+    out = np.zeros(L.COMMIT_LEN, np.int64)
+    out[[L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES]] = (
+        L.FORMAT_VERSION, self.rows, self.tokens, self.refs, self.images, self.image_bytes)
+    return out
+
+
+def read_commit(unit: str, array: ts.TensorStore) -> Commit:
+  """Reads and sanity-checks a unit's commit marker. All zeros means nothing committed."""
+  try:
+    raw = array.read().result()
+  except Exception as e:  # tensorstore raises ValueError subclasses for I/O and codec errors
+    raise CorruptUnitError(unit, f"commit marker unreadable: {e}") from e
+  if not raw.any():
+    return Commit()
+  if raw[L.C_FORMAT] != L.FORMAT_VERSION:
+    raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} != {L.FORMAT_VERSION}")
+  commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),
+                  images=int(raw[L.C_IMAGES]), image_bytes=int(raw[L.C_IMAGE_BYTES]))
+  if min(dataclasses.astuple(commit)) < 0:
+    raise CorruptUnitError(unit, f"negative extent in commit marker {commit}")
+  return commit
+
+
+def write_commit(array: ts.TensorStore, commit: Commit) -> None:
+  # One chunk, one key: kvstore drivers replace it atomically.
+  array.write(commit.to_array()).result()

@@ -1,0 +1,144 @@
+"""On-store layout of a storage unit: array names, columns, zarr3 specs, URLs.
+
+A unit at `{root}/{unit}/` holds resizable-by-sparsity zarr3 arrays (shape 2**40,
+chunks written on demand, so appends never rewrite array metadata):
+
+  tokens, logprobs, loss_mask   jagged per-token payload, full sequence per row
+  rows                          int64 [rows, ROW_COLS] per-trajectory columns
+  reward                        float64 [rows]
+  image_refs                    int64 jagged: image-table indices of each row
+  images/data                   uint8 jagged: raw image bytes, each image once
+  images/index                  int64 [images, IMG_COLS]: byte end, dtype, shape
+  images/hash                   uint8 [images, HASH_BYTES]: content hash (= id)
+  commit                        int64 [COMMIT_LEN]: the commit marker
+
+The commit marker holds the committed extent of every array and is written last,
+as a single chunk (one key: replaced atomically by every kvstore driver), so a
+reader that reads it first sees only whole, committed rows.
+"""
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import tensorstore as ts
+
+from knittrans_jax.storage.schema import StoreSchema
+
+FORMAT_VERSION = 1
+MAX_EXTENT = 1 << 40
+HASH_BYTES = 16
+
+# Columns of `rows`. End offsets make the arrays jagged: row r spans
+# [end[r-1], end[r]) with end[-1] = 0.
+(TOK_END, PROMPT_LEN, RESPONSE_LEN, SOURCE, GROUP_ID, INDEX_IN_GROUP, V_FIRST,
+ V_LAST, REF_END) = range(9)
+ROW_COLS = 9
+
+# Columns of `images/index`.
+IMG_BYTE_END, IMG_DTYPE, IMG_NDIM, IMG_DIM0 = 0, 1, 2, 3
+IMG_MAX_NDIM = 4
+IMG_COLS = IMG_DIM0 + IMG_MAX_NDIM
+
+# Fields of the commit marker.
+C_FORMAT, C_ROWS, C_TOKENS, C_REFS, C_IMAGES, C_IMAGE_BYTES = range(6)
+COMMIT_LEN = 8
+
+# Image dtypes the table accepts, by code.
+IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16),
+                np.dtype(np.int32))
+
+# Fill values are impossible for committed data, so a chunk file that went missing
+# inside the committed range reads back as detectably invalid, not as silent zeros.
+TOKEN_FILL, MASK_FILL, ROWS_FILL = -1, 255, -1
+
+_UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+# One shared context per durability setting. The child inherits the parent's
+# memory kvstore, so a `memory://` store is the same store for every opener in the
+# process whatever its schema says.
+_BASE_CONTEXT = ts.Context({"cache_pool": {"total_bytes_limit": 0}})
+_DURABLE_CONTEXT = ts.Context({"file_io_sync": True}, _BASE_CONTEXT)
+_FAST_CONTEXT = ts.Context({"file_io_sync": False}, _BASE_CONTEXT)
+
+
+def context(durable: bool) -> ts.Context:
+  return _DURABLE_CONTEXT if durable else _FAST_CONTEXT
+
+
+def base_context() -> ts.Context:
+  return _BASE_CONTEXT
+
+
+def check_unit_name(name: str) -> str:
+  if not isinstance(name, str) or not _UNIT_NAME.match(name):
+    raise ValueError(f"unit name {name!r} must match {_UNIT_NAME.pattern}")
+  return name
+
+
+def join(url: str, *parts: str) -> str:
+  """Joins a kvstore URL (memory://, file://, gs://, s3://...) with path parts.
+
+  The result ends with '/', which TensorStore reads as a directory-like prefix.
+  """
+  url = url.rstrip("/")
+  return "/".join([url, *[p.strip("/") for p in parts]]) + "/"
+
+
+def normalize_root(url: str) -> str:
+  if "://" not in url:
+    raise ValueError(f"store URL {url!r} needs a scheme, e.g. file:///tmp/store or memory://name")
+  return url.rstrip("/") + "/"
+
+
+def _codecs(checksum: bool) -> list[dict]:
+  codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
+  if checksum:
+    codecs.append({"name": "crc32c"})
+  return codecs
+
+
+def array_spec(url: str, dtype: str, shape: list[int], chunk: list[int], fill,
+               checksum: bool) -> dict:
+  return {
+      "driver": "zarr3",
+      "kvstore": url,
+      "metadata": {
+          "shape": shape,
+          "data_type": dtype,
+          "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": chunk}},
+          "chunk_key_encoding": {"name": "default"},
+          "fill_value": fill,
+          "codecs": _codecs(checksum),
+      },
+  }
+
+
+def unit_arrays(unit_url: str, schema: StoreSchema) -> dict[str, dict]:
+  """The zarr3 spec of every array of a unit, by name."""
+  tc, rc, pay = schema.token_chunk, schema.row_chunk, schema.payload_checksum
+  M = MAX_EXTENT
+  j = lambda name: join(unit_url, name)
+  return {
+      "tokens": array_spec(j("tokens"), "int32", [M], [tc], TOKEN_FILL, pay),
+      "logprobs": array_spec(j("logprobs"), "float32", [M], [tc], "NaN", pay),
+      "loss_mask": array_spec(j("loss_mask"), "uint8", [M], [tc], MASK_FILL, pay),
+      "rows": array_spec(j("rows"), "int64", [M, ROW_COLS], [rc, ROW_COLS], ROWS_FILL, True),
+      "reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True),
+      "image_refs": array_spec(j("image_refs"), "int64", [M], [rc], ROWS_FILL, True),
+      "images/data": array_spec(j("images/data"), "uint8", [M], [schema.image_chunk_bytes],
+                                0, pay),
+      "images/index": array_spec(j("images/index"), "int64", [M, IMG_COLS], [rc, IMG_COLS],
+                                 ROWS_FILL, True),
+      "images/hash": array_spec(j("images/hash"), "uint8", [M, HASH_BYTES], [rc, HASH_BYTES],
+                                0, True),
+      "commit": array_spec(j("commit"), "int64", [COMMIT_LEN], [COMMIT_LEN], 0, True),
+  }
+
+
+def open_unit_arrays(unit_url: str, schema: StoreSchema, create: bool) -> dict[str, ts.TensorStore]:
+  """Opens (optionally creating) every array of a unit, concurrently."""
+  ctx = context(schema.durable)
+  futures = {name: ts.open(spec, create=create, open=True, context=ctx)
+             for name, spec in unit_arrays(unit_url, schema).items()}
+  return {name: f.result() for name, f in futures.items()}

@@ -1,0 +1,126 @@
+"""A trajectory store: a root URL holding many storage units.
+
+    store = TrajectoryStore.create("file:///tmp/store", StoreSchema(sources=("math",)))
+    writer = store.writer("worker0")          # one producer per unit
+    metas = writer.append(trajectories)       # atomic; returns metadata records
+    payload = store.read(metas).result()      # on-demand, batched, asynchronous
+
+Any TensorStore kvstore URL works unchanged: memory:// (one process), file://,
+gs://, s3://. The root holds `store.json` (the schema) and `_units/NAME` markers
+so units can be listed without listing their chunk keys.
+"""
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+import tensorstore as ts
+
+from knittrans_jax.storage import layout as L
+from knittrans_jax.storage.errors import (CorruptUnitError, SchemaMismatchError, StoreError,
+                                          UnknownUnitError)
+from knittrans_jax.storage.reads import ReadFuture
+from knittrans_jax.storage.schema import StoreSchema
+from knittrans_jax.storage.unit_reader import UnitReader
+from knittrans_jax.storage.unit_writer import UnitWriter
+from knittrans_jax.types import TrajMeta
+
+_SCHEMA_KEY = "store.json"
+_REGISTRY = "_units/"
+
+
+class TrajectoryStore:
+
+  def __init__(self, url: str, schema: StoreSchema):
+    self.url = L.normalize_root(url)
+    self.schema = schema
+    self._kv = ts.KvStore.open(self.url, context=L.context(schema.durable)).result()
+    self._readers: dict[str, UnitReader] = {}
+
+  @classmethod
+  def create(cls, url: str, schema: StoreSchema) -> "TrajectoryStore":
+    """Creates a store, or opens an existing one whose schema equals `schema`."""
+    url = L.normalize_root(url)
+    kv = ts.KvStore.open(url, context=L.base_context()).result()
+    found = kv.read(_SCHEMA_KEY).result()
+    if found.state == "value":
+      existing = StoreSchema.from_json(found.value.decode())
+      if existing != schema:
+        raise SchemaMismatchError(f"store {url} exists with schema {existing}, not {schema}")
+    else:
+      kv.write(_SCHEMA_KEY, schema.to_json()).result()
+    return cls(url, schema)
+
+  @classmethod
+  def open(cls, url: str) -> "TrajectoryStore":
+    url = L.normalize_root(url)
+    kv = ts.KvStore.open(url, context=L.base_context()).result()
+    found = kv.read(_SCHEMA_KEY).result()
+    if found.state != "value":
+      raise StoreError(f"no trajectory store at {url} ({_SCHEMA_KEY} missing)")
+    try:
+      schema = StoreSchema.from_json(found.value.decode())
+    except Exception as e:
+      raise StoreError(f"store {url}: {_SCHEMA_KEY} is unreadable: {e}") from e
+    return cls(url, schema)
+
+  def writer(self, unit: str, host: str | None = None) -> UnitWriter:
+    """Opens the unit for appending (creating it if new); resumes at its commit."""
+    w = UnitWriter(self.url, unit, self.schema, host=host)
+    self._kv.write(_REGISTRY + unit, w.host).result()  # listed only once it is valid
+    return w
+
+  def units(self) -> list[str]:
+    keys = self._kv.list(ts.KvStore.KeyRange(_REGISTRY, _REGISTRY[:-1] + "0")).result()
+    return sorted(k.decode()[len(_REGISTRY):] for k in keys)
+
+  def unit_host(self, unit: str) -> str:
+    found = self._kv.read(_REGISTRY + unit).result()
+    if found.state != "value":
+      raise UnknownUnitError(unit, self.url)
+    return found.value.decode()
+
+  def reader(self, unit: str) -> UnitReader:
+    if unit not in self._readers:
+      if self._kv.read(_REGISTRY + L.check_unit_name(unit)).result().state != "value":
+        raise UnknownUnitError(unit, self.url)
+      self._readers[unit] = UnitReader(self.url, unit, self.schema)
+    return self._readers[unit]
+
+  def list_committed(self, unit: str | None = None) -> list[TrajMeta]:
+    """Metadata of every committed trajectory (of one unit, or of all units)."""
+    units = [unit] if unit is not None else self.units()
+    return [m for u in units for m in self.reader(u).list()]
+
+  def read(self, metas: Sequence[TrajMeta]) -> ReadFuture:
+    """Starts reading the payloads of `metas`; returns at once."""
+    return ReadFuture(metas, self.reader)
+
+  def watch(self) -> "StoreWatcher":
+    return StoreWatcher(self)
+
+
+class StoreWatcher:
+  """Incremental listing for the controller: each poll returns newly committed rows.
+
+  A unit that fails to read is reported in `failed` and skipped; the others go on.
+  """
+
+  def __init__(self, store: TrajectoryStore):
+    self.store = store
+    self.cursor: dict[str, int] = {}
+    self.failed: dict[str, CorruptUnitError] = {}
+
+  def poll(self) -> list[TrajMeta]:
+    new = []
+    for unit in self.store.units():
+      if unit in self.failed:
+        continue
+      try:
+        metas = self.store.reader(unit).list(start=self.cursor.get(unit, 0))
+      except CorruptUnitError as e:
+        self.failed[unit] = e
+        continue
+      self.cursor[unit] = self.cursor.get(unit, 0) + len(metas)
+      new += metas
+    return new

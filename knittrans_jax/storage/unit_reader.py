@@ -1,0 +1,116 @@
+"""Reads the committed part of one storage unit: metadata listing and payload reads.
+
+Every read is bounded by the commit marker read first, so a reader running beside
+the unit's writer never sees a partial row.
+"""
+from __future__ import annotations
+
+import numpy as np
+import tensorstore as ts
+
+from knittrans_jax.storage import layout as L
+from knittrans_jax.storage.commit import Commit, read_commit
+from knittrans_jax.storage.errors import CorruptUnitError
+from knittrans_jax.storage.images import hash_to_hex
+from knittrans_jax.storage.schema import StoreSchema
+from knittrans_jax.types import TrajMeta
+
+
+class UnitReader:
+
+  def __init__(self, root: str, unit: str, schema: StoreSchema):
+    self.unit = L.check_unit_name(unit)
+    self.schema = schema
+    try:
+      self.arrays = L.open_unit_arrays(L.join(root, unit), schema, create=False)
+    except Exception as e:
+      raise CorruptUnitError(unit, f"cannot open its arrays: {e}") from e
+    # Image table rows are immutable once committed, so they are cached.
+    self._image_ids: list[str] = []
+    self._image_rows = np.zeros((0, L.IMG_COLS), np.int64)
+    self._image_pos: dict[str, int] = {}
+
+  def commit(self) -> Commit:
+    return read_commit(self.unit, self.arrays["commit"])
+
+  def _read(self, name: str, start: int, stop: int, batch=None) -> ts.Future:
+    return self.arrays[name][start:stop].read(batch=batch)
+
+  def _result(self, future: ts.Future, what: str) -> np.ndarray:
+    try:
+      return future.result()
+    except Exception as e:
+      raise CorruptUnitError(self.unit, f"reading {what} failed: {e}") from e
+
+  def refresh_images(self, commit: Commit | None = None) -> None:
+    commit = commit or self.commit()
+    have = len(self._image_ids)
+    if commit.images <= have:
+      return
+    with ts.Batch() as batch:
+      fh = self._read("images/hash", have, commit.images, batch)
+      fi = self._read("images/index", have, commit.images, batch)
+    hashes, rows = self._result(fh, "images/hash"), self._result(fi, "images/index")
+    if (rows[:, L.IMG_BYTE_END] < 0).any() or rows[-1, L.IMG_BYTE_END] != commit.image_bytes:
+      raise CorruptUnitError(self.unit, "image index disagrees with the commit marker")
+    new_ids = [hash_to_hex(h) for h in hashes]
+    self._image_pos.update({iid: have + k for k, iid in enumerate(new_ids)})
+    self._image_ids += new_ids
+    self._image_rows = np.concatenate([self._image_rows, rows])
+
+  def image_ids(self) -> list[str]:
+    self.refresh_images()
+    return list(self._image_ids)
+
+  def list(self, start: int = 0, stop: int | None = None) -> list[TrajMeta]:
+    """Metadata of committed rows [start, stop) (stop defaults to the commit)."""
+    commit = self.commit()
+    stop = commit.rows if stop is None else min(stop, commit.rows)
+    if start >= stop:
+      return []
+    lo = max(start - 1, 0)  # one row earlier gives this range's start offsets
+    with ts.Batch() as batch:
+      f_rows = self._read("rows", lo, stop, batch)
+      f_rew = self._read("reward", start, stop, batch)
+    rows, reward = self._result(f_rows, "rows"), self._result(f_rew, "reward")
+    prev = rows[0] if start > 0 else np.zeros(L.ROW_COLS, np.int64)
+    rows = rows[1:] if start > 0 else rows
+    tok_end, ref_end = rows[:, L.TOK_END], rows[:, L.REF_END]
+    tok_start = np.concatenate([[prev[L.TOK_END]], tok_end[:-1]])
+    ref_start = np.concatenate([[prev[L.REF_END]], ref_end[:-1]])
+    lengths = rows[:, L.PROMPT_LEN] + rows[:, L.RESPONSE_LEN]
+    if ((rows < 0).any() or not np.isfinite(reward).all()
+        or (tok_end - tok_start != lengths).any() or tok_end[-1] > commit.tokens
+        or ref_end[-1] > commit.refs
+        or (rows[:, L.SOURCE] >= len(self.schema.sources)).any()):
+      raise CorruptUnitError(self.unit, f"row columns [{start}, {stop}) are inconsistent "
+                             "(a chunk is missing or damaged)")
+    refs = np.zeros(0, np.int64)
+    if ref_end[-1] > ref_start[0]:
+      refs = self._result(self._read("image_refs", int(ref_start[0]), int(ref_end[-1])),
+                          "image_refs")
+      self.refresh_images(commit)
+      if (refs < 0).any() or (refs >= len(self._image_ids)).any():
+        raise CorruptUnitError(self.unit, "image references point outside the image table")
+    base = ref_start[0]
+    sources = self.schema.sources
+    return [TrajMeta(
+        unit=self.unit, row=start + r, token_start=int(tok_start[r]),
+        prompt_len=int(rows[r, L.PROMPT_LEN]), response_len=int(rows[r, L.RESPONSE_LEN]),
+        source=sources[rows[r, L.SOURCE]], group_id=int(rows[r, L.GROUP_ID]),
+        index_in_group=int(rows[r, L.INDEX_IN_GROUP]), version_first=int(rows[r, L.V_FIRST]),
+        version_last=int(rows[r, L.V_LAST]), reward=float(reward[r]),
+        image_ids=tuple(self._image_ids[i] for i in refs[ref_start[r] - base:ref_end[r] - base]))
+        for r in range(stop - start)]
+
+  def image_location(self, image_id: str) -> tuple[int, int, np.dtype, tuple[int, ...]]:
+    """(byte start, byte end, dtype, shape) of a committed image of this unit."""
+    if image_id not in self._image_pos:
+      self.refresh_images()
+    if image_id not in self._image_pos:
+      raise KeyError(f"image {image_id} is not in unit '{self.unit}'")
+    k = self._image_pos[image_id]
+    row = self._image_rows[k]
+    start = int(self._image_rows[k - 1, L.IMG_BYTE_END]) if k else 0
+    shape = tuple(int(d) for d in row[L.IMG_DIM0:L.IMG_DIM0 + row[L.IMG_NDIM]])
+    return start, int(row[L.IMG_BYTE_END]), L.IMAGE_DTYPES[row[L.IMG_DTYPE]], shape

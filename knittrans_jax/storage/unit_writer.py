@@ -1,0 +1,154 @@
+"""Appends trajectories to one storage unit; one producer per unit.
+
+An append writes every payload and column beyond the committed extents, waits for
+all of it, and only then writes the commit marker. A crash before that leaves the
+data invisible (and overwritten by the next append); a crash after it leaves a
+complete row. Nothing of an earlier commit is ever rewritten except the unchanged
+bytes of a partially filled chunk, which kvstores replace atomically.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from typing import Sequence
+
+import numpy as np
+import tensorstore as ts
+
+from knittrans_jax.storage import layout as L
+from knittrans_jax.storage.commit import Commit, read_commit, write_commit
+from knittrans_jax.storage.errors import StoreError
+from knittrans_jax.storage.images import check_image, hash_to_hex, hex_to_hash, image_id
+from knittrans_jax.storage.schema import StoreSchema
+from knittrans_jax.storage.validation import pack_append
+from knittrans_jax.types import TrajMeta, Trajectory
+
+
+class UnitWriter:
+  """The single writer of a storage unit. Reopening after a crash resumes at the commit."""
+
+  def __init__(self, root: str, unit: str, schema: StoreSchema, host: str | None = None):
+    self.unit = L.check_unit_name(unit)
+    self.schema = schema
+    self.url = L.join(root, unit)
+    self._arrays = L.open_unit_arrays(self.url, schema, create=True)
+    self._commit = read_commit(unit, self._arrays["commit"])
+    if self._commit == Commit():
+      write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
+    self.host = host or socket.gethostname()
+    info = {"unit": unit, "host": self.host, "pid": os.getpid(), "opened_unix": time.time()}
+    kv = ts.KvStore.open(self.url, context=L.context(schema.durable)).result()
+    kv.write("unit.json", json.dumps(info)).result()
+    self._image_index: dict[str, int] = {}
+    if self._commit.images:
+      hashes = self._arrays["images/hash"][: self._commit.images].read().result()
+      self._image_index = {hash_to_hex(h): i for i, h in enumerate(hashes)}
+
+  @property
+  def num_rows(self) -> int:
+    return self._commit.rows
+
+  @property
+  def commit(self) -> Commit:
+    return self._commit
+
+  def has_image(self, image_id_: str) -> bool:
+    return image_id_ in self._image_index
+
+  def append(self, trajectories: Sequence[Trajectory],
+             images: Sequence[np.ndarray] = ()) -> list[TrajMeta]:
+    """Atomically appends trajectories (and new images) and returns their metadata.
+
+    `images` are stored once each: an image already in the unit is skipped. Every
+    trajectory's image_ids must name an image in the unit or in `images`.
+    """
+    new_images = self._stage_images(images)
+    packed = None
+    if trajectories:
+      packed = pack_append(trajectories, self.schema,
+                           self._image_index.keys() | new_images.keys())
+    return self._write(packed, new_images)
+
+  def put_images(self, images: Sequence[np.ndarray]) -> list[str]:
+    """Stores images ahead of the trajectories that will use them; returns their ids."""
+    self._write(None, self._stage_images(images))
+    return [image_id(np.asarray(im)) for im in images]
+
+  def _stage_images(self, images) -> dict[str, np.ndarray]:
+    staged = {}
+    for k, image in enumerate(images):
+      image = check_image(image, f"unit '{self.unit}' image {k}")
+      iid = image_id(image)
+      if iid not in self._image_index:
+        staged[iid] = image
+    return staged
+
+  def _write(self, packed, new_images: dict[str, np.ndarray]) -> list[TrajMeta]:
+    c, a = self._commit, self._arrays
+    futures = []
+    n_img, img_bytes = c.images, c.image_bytes
+    index = dict(self._image_index)
+    if new_images:
+      blobs = [im.reshape(-1).view(np.uint8) for im in new_images.values()]
+      ends = img_bytes + np.cumsum([b.size for b in blobs])
+      rows = np.zeros((len(blobs), L.IMG_COLS), np.int64)
+      rows[:, L.IMG_BYTE_END] = ends
+      for k, (iid, im) in enumerate(new_images.items()):
+        rows[k, L.IMG_DTYPE] = L.IMAGE_DTYPES.index(im.dtype)
+        rows[k, L.IMG_NDIM] = im.ndim
+        rows[k, L.IMG_DIM0:L.IMG_DIM0 + im.ndim] = im.shape
+        index[iid] = n_img + k
+      hashes = np.stack([hex_to_hash(iid) for iid in new_images])
+      futures += [a["images/data"][img_bytes:int(ends[-1])].write(np.concatenate(blobs)),
+                  a["images/index"][n_img:n_img + len(blobs)].write(rows),
+                  a["images/hash"][n_img:n_img + len(blobs)].write(hashes)]
+      n_img, img_bytes = n_img + len(blobs), int(ends[-1])
+
+    metas, n_rows, n_tok, n_refs = [], c.rows, c.tokens, c.refs
+    if packed is not None:
+      k, T = packed.prompt_len.size, packed.tokens.size
+      lengths = packed.prompt_len + packed.response_len
+      tok_end = c.tokens + np.cumsum(lengths)
+      refs = np.asarray([index[i] for ids in packed.image_ids for i in ids], np.int64)
+      ref_end = c.refs + np.cumsum([len(ids) for ids in packed.image_ids])
+      rows = np.empty((k, L.ROW_COLS), np.int64)
+      rows[:, L.TOK_END] = tok_end
+      rows[:, L.PROMPT_LEN] = packed.prompt_len
+      rows[:, L.RESPONSE_LEN] = packed.response_len
+      rows[:, L.SOURCE] = packed.source
+      rows[:, L.GROUP_ID] = packed.group_id
+      rows[:, L.INDEX_IN_GROUP] = packed.index_in_group
+      rows[:, L.V_FIRST] = packed.version_first
+      rows[:, L.V_LAST] = packed.version_last
+      rows[:, L.REF_END] = ref_end
+      futures += [a["tokens"][c.tokens:c.tokens + T].write(packed.tokens),
+                  a["logprobs"][c.tokens:c.tokens + T].write(packed.logprobs),
+                  a["loss_mask"][c.tokens:c.tokens + T].write(packed.loss_mask),
+                  a["rows"][c.rows:c.rows + k].write(rows),
+                  a["reward"][c.rows:c.rows + k].write(packed.reward)]
+      if refs.size:
+        futures.append(a["image_refs"][c.refs:c.refs + refs.size].write(refs))
+      starts = tok_end - lengths
+      for r in range(k):
+        metas.append(TrajMeta(
+            unit=self.unit, row=c.rows + r, token_start=int(starts[r]),
+            prompt_len=int(packed.prompt_len[r]), response_len=int(packed.response_len[r]),
+            source=self.schema.sources[packed.source[r]], group_id=int(packed.group_id[r]),
+            index_in_group=int(packed.index_in_group[r]),
+            version_first=int(packed.version_first[r]), version_last=int(packed.version_last[r]),
+            reward=float(packed.reward[r]), image_ids=packed.image_ids[r]))
+      n_rows, n_tok, n_refs = c.rows + k, c.tokens + T, c.refs + refs.size
+    if not futures:
+      return metas
+    try:
+      for f in futures:
+        f.result()
+      new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
+      write_commit(a["commit"], new)  # last: this makes the rows visible
+    except Exception as e:
+      raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
+                       f"(unit still at {c.rows} rows): {e}") from e
+    self._commit, self._image_index = new, index
+    return metas

@@ -1,0 +1,81 @@
+"""Records shared by every component: what a producer appends, what the controller sees.
+
+Plain dataclasses only; no JAX, no TensorStore. The controller works on `TrajMeta`
+(metadata), never on payloads.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+  """One finished response, as a rollout worker hands it to its storage unit.
+
+  `logprobs` and `loss_mask` cover the response tokens only; the store aligns them
+  with the full sequence (prompt positions get log-prob 0 and mask 0).
+  `versions` lists the policy versions that generated it (several if weights changed
+  mid-response); v_gen is the oldest.
+  """
+  prompt_tokens: np.ndarray  # [P] integer
+  response_tokens: np.ndarray  # [R] integer
+  logprobs: np.ndarray  # [R] float, behaviour log-probs
+  loss_mask: np.ndarray  # [R] bool or {0, 1}
+  reward: float
+  source: str
+  group_id: int
+  index_in_group: int
+  versions: Sequence[int]
+  image_ids: Sequence[str] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajMeta:
+  """Metadata record of one committed trajectory: all the controller ever moves."""
+  unit: str
+  row: int
+  token_start: int  # offset of the sequence in the unit's jagged token arrays
+  prompt_len: int
+  response_len: int
+  source: str
+  group_id: int
+  index_in_group: int
+  version_first: int  # v_gen: oldest version that generated a token
+  version_last: int
+  reward: float
+  image_ids: tuple[str, ...] = ()
+
+  @property
+  def id(self) -> str:
+    return f"{self.unit}/{self.row}"
+
+  @property
+  def length(self) -> int:
+    return self.prompt_len + self.response_len
+
+  @property
+  def token_end(self) -> int:
+    return self.token_start + self.length
+
+
+@dataclasses.dataclass
+class Payload:
+  """Payload arrays of a list of trajectories, in the order they were asked for.
+
+  Sequence arrays are full-length (prompt + response); images are keyed by image id
+  and appear once however many trajectories share them.
+  """
+  metas: list[TrajMeta]
+  tokens: list[np.ndarray]
+  logprobs: list[np.ndarray]
+  loss_mask: list[np.ndarray]
+  images: dict[str, np.ndarray]
+
+  @property
+  def nbytes(self) -> int:
+    seq = sum(a.nbytes for arrs in (self.tokens, self.logprobs, self.loss_mask)
+              for a in arrs)
+    return seq + sum(a.nbytes for a in self.images.values())

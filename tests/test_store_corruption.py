@@ -1,0 +1,100 @@
+"""A damaged unit gives a clear error naming it; other units stay readable."""
+import os
+
+import numpy as np
+import pytest
+from store_helpers import SOURCES, check_payload, group
+
+from knittrans_jax.storage import CorruptUnitError, StoreSchema, TrajectoryStore
+
+SEED, N = 3, 4
+
+
+def _store(tmp_path, **schema_kw):
+  schema = StoreSchema(sources=SOURCES, max_response_len=512, token_chunk=256, row_chunk=8,
+                       **schema_kw)
+  root = tmp_path / "store"
+  store = TrajectoryStore.create(f"file://{root}", schema)
+  for k, unit in enumerate(("good", "bad")):
+    w = store.writer(unit)
+    for g in range(6):
+      w.append(group(SEED, 100 * k + g, N))
+  return store, root
+
+
+def _fresh(store):
+  return TrajectoryStore.open(store.url)
+
+
+def _chunk(root, unit, array, index=0):
+  path = root / unit / array / "c" / str(index)
+  return path / "0" if path.is_dir() else path  # 2-D arrays: c/ROW_CHUNK/0
+
+
+def _good_unit_still_readable(store):
+  metas = store.list_committed("good")
+  assert len(metas) == 6 * N
+  check_payload(store.read(metas).result(), SEED, N)
+
+
+@pytest.mark.parametrize("array", ["tokens", "logprobs", "loss_mask"])
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_damaged_payload_chunk(tmp_path, array, damage):
+  store, root = _store(tmp_path)
+  path = _chunk(root, "bad", array)
+  if damage == "truncate":
+    os.truncate(path, os.path.getsize(path) // 2)
+  else:
+    os.remove(path)
+  fresh = _fresh(store)
+  metas = fresh.list_committed("bad")  # metadata is intact
+  with pytest.raises(CorruptUnitError, match="'bad'") as err:
+    fresh.read(metas[:3]).result()
+  assert err.value.unit == "bad"
+  _good_unit_still_readable(fresh)
+
+
+def test_bit_flip_detected_with_payload_checksum(tmp_path):
+  store, root = _store(tmp_path, payload_checksum=True)
+  path = _chunk(root, "bad", "tokens")
+  data = bytearray(path.read_bytes())
+  data[10] ^= 0x40
+  path.write_bytes(bytes(data))
+  fresh = _fresh(store)
+  with pytest.raises(CorruptUnitError, match="'bad'"):
+    fresh.read(fresh.list_committed("bad")[:2]).result()
+  _good_unit_still_readable(fresh)
+
+
+@pytest.mark.parametrize("target", ["rows", "reward", "commit"])
+def test_damaged_metadata_is_detected_and_watcher_skips_the_unit(tmp_path, target):
+  store, root = _store(tmp_path)
+  path = _chunk(root, "bad", target)
+  data = bytearray(path.read_bytes())
+  data[3] ^= 0xFF  # metadata chunks carry a crc32c: a flipped bit is caught
+  path.write_bytes(bytes(data))
+  fresh = _fresh(store)
+  with pytest.raises(CorruptUnitError, match="'bad'"):
+    fresh.list_committed("bad")
+  watcher = fresh.watch()
+  metas = watcher.poll()
+  assert set(watcher.failed) == {"bad"} and "bad" in str(watcher.failed["bad"])
+  assert {m.unit for m in metas} == {"good"} and len(metas) == 6 * N
+  _good_unit_still_readable(fresh)
+
+
+def test_missing_row_chunk_is_detected(tmp_path):
+  store, root = _store(tmp_path)
+  os.remove(_chunk(root, "bad", "rows", index=1))  # rows 8..15 of 24
+  with pytest.raises(CorruptUnitError, match="inconsistent"):
+    _fresh(store).list_committed("bad")
+  _good_unit_still_readable(_fresh(store))
+
+
+def test_unit_with_missing_arrays(tmp_path):
+  store, root = _store(tmp_path)
+  (root / "bad" / "tokens" / "zarr.json").unlink()
+  fresh = _fresh(store)
+  with pytest.raises(CorruptUnitError, match="'bad'.*cannot open"):
+    fresh.reader("bad")
+  _good_unit_still_readable(fresh)

@@ -1,0 +1,91 @@
+"""Each bad input gets a clear error naming the field; nothing of the call is written."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from knittrans_jax.storage import StoreSchema, TrajectoryStore, TrajectoryValidationError, image_id
+from knittrans_jax.types import Trajectory
+
+SCHEMA = StoreSchema(sources=("math", "vqa"), max_prompt_len=16, max_response_len=32)
+
+
+def good(gid=0, idx=0, R=5, **changes):
+  t = Trajectory(prompt_tokens=np.arange(4, dtype=np.int32), response_tokens=np.arange(R) + 10,
+                 logprobs=np.full(R, -0.5, np.float32), loss_mask=np.ones(R, bool), reward=1.0,
+                 source="math", group_id=gid, index_in_group=idx, versions=(0,))
+  return dataclasses.replace(t, **changes)
+
+
+BAD = {
+    "float tokens": ("response_tokens", dict(response_tokens=np.ones(5, np.float32))),
+    "2-D tokens": ("prompt_tokens", dict(prompt_tokens=np.ones((2, 2), np.int32))),
+    "negative token": ("prompt_tokens", dict(prompt_tokens=np.array([1, -3]))),
+    "empty response": ("response_tokens", dict(response_tokens=np.zeros(0, np.int32),
+                                               logprobs=np.zeros(0), loss_mask=np.zeros(0, bool))),
+    "too long": ("response_tokens", dict(response_tokens=np.ones(33, np.int32),
+                                         logprobs=np.zeros(33), loss_mask=np.ones(33, bool))),
+    "logprob shape": ("logprobs", dict(logprobs=np.zeros(4, np.float32))),
+    "int logprobs": ("logprobs", dict(logprobs=np.zeros(5, np.int32))),
+    "nan logprob": ("logprobs", dict(logprobs=np.array([0, -1, np.nan, 0, 0], np.float32))),
+    "mask shape": ("loss_mask", dict(loss_mask=np.ones(6, bool))),
+    "mask values": ("loss_mask", dict(loss_mask=np.array([0, 1, 2, 1, 1]))),
+    "nan reward": ("reward", dict(reward=float("nan"))),
+    "inf reward": ("reward", dict(reward=float("inf"))),
+    "str reward": ("reward", dict(reward="1.0")),
+    "unknown source": ("source", dict(source="poetry")),
+    "no versions": ("versions", dict(versions=())),
+    "negative version": ("versions", dict(versions=(2, -1))),
+    "float group": ("group_id", dict(group_id=1.5)),
+    "missing image": ("image_ids", dict(image_ids=("deadbeef" * 4,))),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_refused_and_unit_stays_usable(case, tmp_path):
+  field, changes = BAD[case]
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", SCHEMA)
+  w = store.writer("u")
+  before = w.append([good(0, 0), good(0, 1)])
+  commit = w.commit
+  # The bad trajectory is third in a call whose first two are fine: none is written.
+  call = [good(1, 0), good(1, 1), good(1, 2, **changes)]
+  with pytest.raises(TrajectoryValidationError) as err:
+    w.append(call)
+  assert err.value.field == field and err.value.index == 2
+  assert f"'{field}'" in str(err.value) and "trajectory 2" in str(err.value)
+  assert w.commit == commit
+  assert store.list_committed() == before
+  after = w.append([good(2, 0)])  # still usable
+  assert after[0].row == 2 and after[0].token_start == before[-1].token_end
+  payload = TrajectoryStore.open(store.url).read(before + after).result()
+  np.testing.assert_array_equal(payload.tokens[0], np.r_[np.arange(4), np.arange(5) + 10])
+
+
+def test_error_message_names_value():
+  store = TrajectoryStore.create("memory://validation_msg", SCHEMA)
+  with pytest.raises(TrajectoryValidationError, match=r"'source' = 'poetry'.*math"):
+    store.writer("u").append([good(source="poetry")])
+  with pytest.raises(TrajectoryValidationError, match=r"'response_tokens' = 33.*maximum 32"):
+    store.writer("u").append([good(response_tokens=np.ones(33, np.int32),
+                                   logprobs=np.zeros(33), loss_mask=np.ones(33, bool))])
+
+
+def test_bad_image_is_refused_with_nothing_written():
+  store = TrajectoryStore.create("memory://validation_img", SCHEMA)
+  w = store.writer("u")
+  img = np.ones((2, 2, 3), np.float32)
+  with pytest.raises(TypeError, match="dtype float64"):
+    w.append([good(image_ids=(image_id(img),))], images=[img.astype(np.float64)])
+  bad = img.copy()
+  bad[0, 0, 0] = np.nan
+  with pytest.raises(ValueError, match="NaN"):
+    w.append([good()], images=[bad])
+  assert w.commit.rows == 0 and w.commit.images == 0
+
+
+def test_schema_validation():
+  with pytest.raises(ValueError, match="sources"):
+    StoreSchema(sources=("a", "a"))
+  with pytest.raises(ValueError, match="token_chunk"):
+    StoreSchema(token_chunk=0)
