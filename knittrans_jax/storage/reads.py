@@ -23,14 +23,14 @@ _SEQ_ARRAYS = ("tokens", "logprobs", "loss_mask")
 def _runs(order: list[int], metas: Sequence[TrajMeta]) -> list[list[int]]:
   """Splits indices (sorted by unit, offset) into runs of contiguous token ranges."""
   runs: list[list[int]] = []
+  prev_unit, prev_end = None, -1
   for i in order:
     m = metas[i]
-    if runs:
-      p = metas[runs[-1][-1]]
-      if p.unit == m.unit and p.token_end == m.token_start:
-        runs[-1].append(i)
-        continue
-    runs.append([i])
+    if m.unit == prev_unit and m.token_start == prev_end:
+      runs[-1].append(i)
+    else:
+      runs.append([i])
+    prev_unit, prev_end = m.unit, m.token_start + m.prompt_len + m.response_len
   return runs
 
 
@@ -81,13 +81,13 @@ class ReadFuture:
           or (arrays["loss_mask"] > 1).any()):
         raise CorruptUnitError(unit, "payload chunk missing inside the committed range "
                                f"(rows {self._metas[run[0]].row}..{self._metas[run[-1]].row})")
+      arrays["loss_mask"] = arrays["loss_mask"].view(np.bool_)
       base = self._metas[run[0]].token_start
-      for i in run:
-        m = self._metas[i]
-        sl = slice(m.token_start - base, m.token_end - base)
-        out["tokens"][i] = arrays["tokens"][sl]
-        out["logprobs"][i] = arrays["logprobs"][sl]
-        out["loss_mask"][i] = arrays["loss_mask"][sl].view(np.bool_)
+      bounds = [(self._metas[i].token_start - base, self._metas[i].token_end - base) for i in run]
+      for name, arr in arrays.items():  # views into the run's buffer, no copies
+        dst = out[name]
+        for i, (lo, hi) in zip(run, bounds):
+          dst[i] = arr[lo:hi]
     images = {}
     for iid, (unit, dtype, shape, fut) in self._image_futures.items():
       try:
