@@ -79,3 +79,40 @@ class Payload:
     seq = sum(a.nbytes for arrs in (self.tokens, self.logprobs, self.loss_mask)
               for a in arrs)
     return seq + sum(a.nbytes for a in self.images.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupInfo:
+  """A finished GRPO group as admission sees it: metadata only.
+
+  `version` is the group's v_gen, the oldest policy version that generated any of
+  its trajectories. `metas` optionally carries the trajectories' store records so
+  the data plane can plan reads; admission never looks at them.
+  """
+  group_id: int
+  source: str
+  num_tokens: int
+  version: int
+  rewards: tuple[float, ...] = ()
+  metas: tuple[TrajMeta, ...] = ()
+
+  @property
+  def zero_signal(self) -> bool:
+    """All rewards equal: group-normalised advantages are all zero."""
+    return len(self.rewards) > 0 and min(self.rewards) == max(self.rewards)
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniBatch:
+  """Mini-batch `index` (j) of train batch `train_batch` (k): one optimizer step."""
+  train_batch: int
+  index: int
+  groups: tuple[GroupInfo, ...]
+  admitted_version: int
+
+  @property
+  def num_tokens(self) -> int:
+    return sum(g.num_tokens for g in self.groups)
+
+  def count(self, source: str) -> int:
+    return sum(g.source == source for g in self.groups)

@@ -13,3 +13,9 @@ def _clear_gin():
   gin.clear_config()
   yield
   gin.clear_config()
+
+# Tests are deterministic: hypothesis draws the same examples on every run.
+from hypothesis import settings as _hyp_settings  # noqa: E402
+
+_hyp_settings.register_profile("deterministic", derandomize=True, print_blob=True)
+_hyp_settings.load_profile("deterministic")
