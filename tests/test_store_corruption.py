@@ -1,4 +1,5 @@
 """A damaged unit gives a clear error naming it; other units stay readable."""
+import dataclasses
 import os
 
 import numpy as np
@@ -98,3 +99,31 @@ def test_unit_with_missing_arrays(tmp_path):
   with pytest.raises(CorruptUnitError, match="'bad'.*cannot open"):
     fresh.reader("bad")
   _good_unit_still_readable(fresh)
+
+
+def test_missing_commit_marker_is_corrupt_not_empty(tmp_path):
+  store, root = _store(tmp_path)
+  os.remove(root / "bad" / "commit" / "c" / "0")
+  with pytest.raises(CorruptUnitError, match="commit marker is missing"):
+    _fresh(store).list_committed("bad")
+  with pytest.raises(CorruptUnitError, match="'bad'"):  # a writer must not start over it
+    _fresh(store).writer("bad")
+  _good_unit_still_readable(_fresh(store))
+
+
+@pytest.mark.parametrize("array", ["images/data", "images/hash"])
+def test_damaged_image_table_is_detected(tmp_path, array):
+  from knittrans_jax.storage import image_id
+  schema = StoreSchema(sources=SOURCES, image_chunk_bytes=1024, row_chunk=8)
+  root = tmp_path / "store"
+  store = TrajectoryStore.create(f"file://{root}", schema)
+  rng = np.random.default_rng(0)
+  imgs = [rng.integers(0, 255, (16, 16, 3), dtype=np.uint8) for _ in range(3)]
+  trajs = [dataclasses.replace(t, image_ids=(image_id(imgs[k % 3]),))
+           for k, t in enumerate(group(SEED, 0, N))]
+  store.writer("img").append(trajs, images=imgs)
+  path = _chunk(root, "img", array, 0)
+  os.remove(path)
+  with pytest.raises(CorruptUnitError, match="'img'"):
+    fresh = _fresh(store)
+    fresh.read(fresh.list_committed("img")).result()

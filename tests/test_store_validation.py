@@ -89,3 +89,18 @@ def test_schema_validation():
     StoreSchema(sources=("a", "a"))
   with pytest.raises(ValueError, match="token_chunk"):
     StoreSchema(token_chunk=0)
+
+
+@pytest.mark.parametrize("field,value", [("group_id", 2**63), ("index_in_group", np.uint64(2**64 - 1)),
+                                         ("versions", (2**70,))])
+def test_integers_beyond_int64_are_refused(field, value):
+  store = TrajectoryStore.create("memory://validation_int64", SCHEMA)
+  with pytest.raises(TrajectoryValidationError, match=f"'{field}'.*2\\*\\*63"):
+    store.writer("u").append([good(**{field: value})])
+
+
+@pytest.mark.parametrize("root", ["memory://", "memory://a//", "memory://x/y"])
+def test_roots_with_and_without_paths(root):
+  store = TrajectoryStore.create(root, SCHEMA)
+  metas = store.writer("u_root").append([good()])
+  assert TrajectoryStore.open(root).list_committed("u_root") == metas

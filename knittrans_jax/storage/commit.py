@@ -25,14 +25,21 @@ class Commit:
     return out
 
 
-def read_commit(unit: str, array: ts.TensorStore) -> Commit:
-  """Reads and sanity-checks a unit's commit marker. All zeros means nothing committed."""
+def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -> Commit:
+  """Reads and sanity-checks a unit's commit marker.
+
+  A writer writes a (format, 0, ...) marker before it registers the unit, so an
+  all-zero (missing) marker is valid only for a unit that is not registered yet.
+  """
   try:
     raw = array.read().result()
   except Exception as e:  # tensorstore raises ValueError subclasses for I/O and codec errors
     raise CorruptUnitError(unit, f"commit marker unreadable: {e}") from e
   if not raw.any():
-    return Commit()
+    if allow_missing:
+      return Commit()
+    raise CorruptUnitError(unit, "commit marker is missing (the unit is registered, so its "
+                           "writer had written one)")
   if raw[L.C_FORMAT] != L.FORMAT_VERSION:
     raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} != {L.FORMAT_VERSION}")
   commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),

@@ -70,9 +70,13 @@ def base_context() -> ts.Context:
   return _BASE_CONTEXT
 
 
+RESERVED_NAMES = ("store.json",)
+
+
 def check_unit_name(name: str) -> str:
-  if not isinstance(name, str) or not _UNIT_NAME.match(name):
-    raise ValueError(f"unit name {name!r} must match {_UNIT_NAME.pattern}")
+  if not isinstance(name, str) or not _UNIT_NAME.match(name) or name in RESERVED_NAMES:
+    raise ValueError(f"unit name {name!r} must match {_UNIT_NAME.pattern} and not be one of "
+                     f"{RESERVED_NAMES}")
   return name
 
 
@@ -81,14 +85,21 @@ def join(url: str, *parts: str) -> str:
 
   The result ends with '/', which TensorStore reads as a directory-like prefix.
   """
-  url = url.rstrip("/")
-  return "/".join([url, *[p.strip("/") for p in parts]]) + "/"
+  url = normalize_root(url)
+  return url + "".join(p.strip("/") + "/" for p in parts)
 
 
 def normalize_root(url: str) -> str:
-  if "://" not in url:
+  """The URL with exactly one trailing '/' (the scheme's own slashes kept)."""
+  scheme, sep, path = url.partition("://")
+  if not sep or not scheme:
     raise ValueError(f"store URL {url!r} needs a scheme, e.g. file:///tmp/store or memory://name")
-  return url.rstrip("/") + "/"
+  path = path.rstrip("/")
+  if scheme == "file":
+    path = "/" + path.lstrip("/")  # file:/// keeps its absolute root
+  if path in ("", "/"):
+    return f"{scheme}://{path}"  # the kvstore's root: memory:// or file:///
+  return f"{scheme}://{path}/"
 
 
 def _codecs(checksum: bool) -> list[dict]:

@@ -14,6 +14,7 @@ import tensorstore as ts
 
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError
+from knittrans_jax.storage.images import image_id
 from knittrans_jax.storage.unit_reader import UnitReader
 from knittrans_jax.types import Payload, TrajMeta
 
@@ -94,6 +95,9 @@ class ReadFuture:
         raw = fut.result()
       except Exception as e:
         raise CorruptUnitError(unit, f"reading image {iid} failed: {e}") from e
-      images[iid] = raw.view(dtype).reshape(shape)
+      image = raw.view(dtype).reshape(shape)
+      if image_id(image) != iid:  # catches missing or damaged image chunks and hashes
+        raise CorruptUnitError(unit, f"image {iid} does not match its content hash")
+      images[iid] = image
     return Payload(metas=self._metas, tokens=out["tokens"], logprobs=out["logprobs"],
                    loss_mask=out["loss_mask"], images=images)

@@ -66,7 +66,8 @@ class TrajectoryStore:
 
   def writer(self, unit: str, host: str | None = None) -> UnitWriter:
     """Opens the unit for appending (creating it if new); resumes at its commit."""
-    w = UnitWriter(self.url, unit, self.schema, host=host)
+    registered = self._kv.read(_REGISTRY + L.check_unit_name(unit)).result().state == "value"
+    w = UnitWriter(self.url, unit, self.schema, host=host, registered=registered)
     self._kv.write(_REGISTRY + unit, w.host).result()  # listed only once it is valid
     return w
 

@@ -31,7 +31,7 @@ class UnitReader:
     self._image_pos: dict[str, int] = {}
 
   def commit(self) -> Commit:
-    return read_commit(self.unit, self.arrays["commit"])
+    return read_commit(self.unit, self.arrays["commit"], allow_missing=False)
 
   def _read(self, name: str, start: int, stop: int, batch=None) -> ts.Future:
     return self.arrays[name][start:stop].read(batch=batch)
@@ -64,6 +64,8 @@ class UnitReader:
 
   def list(self, start: int = 0, stop: int | None = None) -> list[TrajMeta]:
     """Metadata of committed rows [start, stop) (stop defaults to the commit)."""
+    if start < 0 or (stop is not None and stop < 0):
+      raise ValueError(f"list(start={start}, stop={stop}): rows are numbered from 0")
     commit = self.commit()
     stop = commit.rows if stop is None else min(stop, commit.rows)
     if start >= stop:

@@ -29,13 +29,14 @@ from knittrans_jax.types import TrajMeta, Trajectory
 class UnitWriter:
   """The single writer of a storage unit. Reopening after a crash resumes at the commit."""
 
-  def __init__(self, root: str, unit: str, schema: StoreSchema, host: str | None = None):
+  def __init__(self, root: str, unit: str, schema: StoreSchema, host: str | None = None,
+               registered: bool = False):
     self.unit = L.check_unit_name(unit)
     self.schema = schema
     self.url = L.join(root, unit)
     self._arrays = L.open_unit_arrays(self.url, schema, create=True)
-    self._commit = read_commit(unit, self._arrays["commit"])
-    if self._commit == Commit():
+    self._commit = read_commit(unit, self._arrays["commit"], allow_missing=not registered)
+    if not registered and self._commit == Commit():
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
     self.host = host or socket.gethostname()
     info = {"unit": unit, "host": self.host, "pid": os.getpid(), "opened_unix": time.time()}
@@ -142,9 +143,15 @@ class UnitWriter:
       n_rows, n_tok, n_refs = c.rows + k, c.tokens + T, c.refs + refs.size
     if not futures:
       return metas
-    try:
-      for f in futures:
+    errors = []
+    for f in futures:  # wait for all: none may land after a later append's commit
+      try:
         f.result()
+      except Exception as e:
+        errors.append(e)
+    try:
+      if errors:
+        raise errors[0]
       new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
       write_commit(a["commit"], new)  # last: this makes the rows visible
     except Exception as e:

@@ -17,6 +17,7 @@ from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import Trajectory
 
 _INT32_MAX = np.iinfo(np.int32).max
+_INT64_MAX = np.iinfo(np.int64).max
 
 
 @dataclasses.dataclass
@@ -54,8 +55,8 @@ def _token_array(value, field: str, i: int, gid, max_len: int) -> np.ndarray:
 def _int_field(value, field: str, i: int, gid, minimum: int = 0) -> int:
   if isinstance(value, bool) or not isinstance(value, numbers.Integral):
     raise Bad(field, i, value, "must be an int", gid)
-  if value < minimum:
-    raise Bad(field, i, value, f"must be >= {minimum}", gid)
+  if value < minimum or value > _INT64_MAX:
+    raise Bad(field, i, value, f"must lie in [{minimum}, 2**63)", gid)
   return int(value)
 
 
