@@ -3,7 +3,7 @@ import itertools
 import random
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_admission_feasibility import brute_residual
 
@@ -100,6 +100,7 @@ def check_batches(spec, admitted, groups):
 @settings(max_examples=200, deadline=None)
 @given(workloads())
 def test_constraint_preserving_properties_and_never_later_than_train_batch(work):
+  event(f"valid workload: {work is not None}")
   if work is None:
     return
   spec, groups, K = work
@@ -117,6 +118,7 @@ def test_constraint_preserving_properties_and_never_later_than_train_batch(work)
 @settings(max_examples=100, deadline=None)
 @given(workloads(budget=True))
 def test_token_budget_always_respected(work):
+  event(f"valid workload: {work is not None}")
   if work is None:
     return
   spec, groups, _ = work
@@ -150,14 +152,17 @@ def admissible_sets(policy):
   return found
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(workloads(budget=True))
 def test_eager_admits_whenever_brute_force_finds_a_set(work):
+  event(f"valid workload: {work is not None}")
   if work is None:
     return
   spec, groups, _ = work
-  if len(groups) > 14 or spec.mini_batch_groups > 3:
-    return  # keep the brute force small
+  small = len(groups) <= 14 and spec.mini_batch_groups <= 3
+  event(f"small enough for brute force: {small}")
+  if not small:
+    return
 
   def check(policy, mb):
     if mb is None:

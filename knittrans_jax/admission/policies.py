@@ -198,6 +198,12 @@ class TrainBatchPolicy(AdmissionPolicy):
     return self._queue.popleft() if self._queue else None
 
   def _plan_whole_batch(self):
+    # Cheap necessary condition first: enough finished groups of every source.
+    slots = self.spec.num_mini_batches - self.index
+    if sum(len(v) for v in self._pool.values()) < slots * self.g or (
+        self._needed is not None
+        and any(len(self._pool.get(s, ())) < r for s, r in self._needed.items())):
+      return
     # Cut M mini-batches from a copy of the pool; commit only if all M exist.
     pool = {s: list(v) for s, v in self._pool.items()}
     needed = None if self._needed is None else dict(self._needed)
