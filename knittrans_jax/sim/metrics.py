@@ -1,0 +1,47 @@
+"""Summary figures of a simulated run (design-notes s. 2 definitions)."""
+from __future__ import annotations
+
+import numpy as np
+
+from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.sim.pipeline import SimResult
+
+
+def quota_violations(result: SimResult, spec: TrainBatchSpec) -> int:
+  """Complete train batches whose per-source group counts differ from the quota."""
+  if spec.source_quota is None:
+    return 0
+  totals: dict[int, dict[str, int]] = {}
+  sizes: dict[int, int] = {}
+  for k, _, counts in result.mini_batch_counts:
+    acc = totals.setdefault(k, {})
+    for s, c in counts.items():
+      acc[s] = acc.get(s, 0) + c
+    sizes[k] = sizes.get(k, 0) + 1
+  bad = 0
+  for k, acc in totals.items():
+    if sizes[k] == spec.num_mini_batches and any(
+        acc.get(s, 0) != q for s, q in spec.source_quota.items()):
+      bad += 1
+  return bad
+
+
+def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:
+  a = result.arch
+  pos = np.maximum(a, 0)
+  T = result.sim_time_s
+  return {
+      "mode": result.mode, "policy": result.policy, "window": result.window,
+      "trajectories": result.trajectories,
+      "arch_staleness_mean": float(pos.mean()),
+      "arch_staleness_signed_mean": float(a.mean()),
+      "arch_staleness_p50": float(np.percentile(pos, 50)),
+      "arch_staleness_p99": float(np.percentile(pos, 99)),
+      "arch_staleness_max": int(pos.max()),
+      "staleness_mean": float((result.v_consume - result.v_gen).mean()),
+      "quota_violations": quota_violations(result, spec),
+      "throughput_traj_per_s": result.trajectories / T,
+      "trainer_idle_frac": 1.0 - result.trainer_busy_s / T,
+      "rollout_idle_frac": 1.0 - result.slot_busy_s / (result.slots * T),
+      "sim_time_s": T, "dropped": result.dropped,
+  }
