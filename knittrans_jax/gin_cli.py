@@ -34,6 +34,7 @@ def _resolve(path: str) -> str:
 def parse(args: argparse.Namespace) -> None:
   """Parses the gin files and bindings of `args`; writes config.gin to the workdir."""
   files = [_resolve(f) for f in args.gin_file]
+  gin.add_config_file_search_path(str(REPO_ROOT))  # `include 'configs/...'` from anywhere
   gin.parse_config_files_and_bindings(files, args.gin_bindings, finalize_config=False)
   if getattr(args, "workdir", None):
     os.makedirs(args.workdir, exist_ok=True)

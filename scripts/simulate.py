@@ -17,11 +17,12 @@ from tqdm import tqdm
 
 from knittrans_jax import gin_cli
 from knittrans_jax.sim import SimConfig
-from knittrans_jax.sim.sweep import POLICIES, headline, run_points, window_grid
+from knittrans_jax.sim.sweep import POLICIES, headline, refine, run_points, window_grid
 
 
 @gin.configurable
-def sweep(out: str, policies=POLICIES, windows=None, workers=None, match_tolerance=0.0) -> dict:
+def sweep(out: str, policies=POLICIES, windows=None, workers=None, match_tolerance=0.0,
+          refine_steps=5) -> dict:
   config = SimConfig()
   t0 = time.perf_counter()
   windows = list(windows) if windows else window_grid(config)
@@ -33,6 +34,8 @@ def sweep(out: str, policies=POLICIES, windows=None, workers=None, match_toleran
   with tqdm(total=len(points), desc="simulating", unit="run") as bar:
     results = run_points(config, points, workers, progress=bar.update)
   summaries = [s for s, _ in results]
+  if refine_steps:
+    summaries += refine(summaries, config, policies, match_tolerance, refine_steps, workers)
   stalled = [(s["policy"], s["window"]) for s in summaries if s["stalled"]]
   if stalled:
     print(f"stalled (window too small for the constraints): {stalled}")

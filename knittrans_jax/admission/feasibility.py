@@ -48,13 +48,20 @@ def count_intervals(needed: Mapping[str, int], pool: Mapping[str, int], slots_le
   return out
 
 
-def free_intervals(pool: Mapping[str, int], bounds: Callable[[str], tuple[int, int]],
+def free_intervals(pool: Mapping[str, int], supply: Mapping[str, int], slots_left: int,
+                   bounds: Callable[[str], tuple[int, int]],
                    bounded: Sequence[str]) -> dict[str, tuple[int, int]]:
-  """[a_s, b_s] without quotas: only the per-mini-batch bounds apply."""
-  out = {s: (bounds(s)[0], min(bounds(s)[1], pool.get(s, 0))) for s in bounded}
-  for s, n in pool.items():
-    if s not in out:
-      out[s] = (0, min(bounds(s)[1], n))
+  """[a_s, b_s] without quotas: the bounds, and the later mini-batches' minimums.
+
+  Each of the slots_left - 1 later mini-batches of the train batch needs lo_s groups
+  of s, so at most supply_s - (slots_left - 1) lo_s may be taken now (the policies
+  pass the finished-unadmitted groups as the supply).
+  """
+  rest = slots_left - 1
+  out = {}
+  for s in set(bounded) | set(pool):
+    lo, hi = bounds(s)
+    out[s] = (lo, min(hi, pool.get(s, 0), supply.get(s, 0) - rest * lo))
   return out
 
 

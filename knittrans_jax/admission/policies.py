@@ -55,7 +55,7 @@ class AdmissionPolicy:
 
   def failed(self, source: str, count: int = 1) -> None:
     """`count` dispatched groups of `source` will never finish."""
-    if count > self._inflight[source]:
+    if count < 0 or count > self._inflight[source]:
       raise ValueError(f"failed({source!r}, {count}) but only {self._inflight[source]} in flight")
     self._inflight[source] -= count
 
@@ -69,6 +69,7 @@ class AdmissionPolicy:
                        "of that source was dispatched")
     budget = self.spec.mini_batch_token_budget
     if budget is not None and group.num_tokens > budget:
+      self._inflight[group.source] -= 1  # it will never be admitted: not supply
       raise InfeasibleSpecError(
           f"group {group.group_id} has {group.num_tokens} tokens, over the per-mini-batch "
           f"token budget {budget}: no mini-batch can ever hold it")
@@ -128,8 +129,11 @@ class AdmissionPolicy:
     Without quotas the need is source-agnostic; '*' then means any source.
     """
     if self._needed is None:
+      slots = self.spec.num_mini_batches - self.index
+      short = sorted(s for s in (self.spec.mini_batch_bounds or {})
+                     if len(self._pool.get(s, ())) + self._inflight[s] < slots * self.spec.bounds(s)[0])
       supply = sum(self.pool_counts().values()) + sum(self._inflight.values())
-      return ["*"] if supply < (self.spec.num_mini_batches - self.index) * self.g else []
+      return short or (["*"] if supply < slots * self.g else [])
     return sorted(s for s, r in self._needed.items()
                   if r > len(self._pool.get(s, ())) + self._inflight[s])
 
@@ -159,21 +163,41 @@ class AdmissionPolicy:
 
   # Shared by constraint_preserving and train_batch: the best admissible set now.
   def _best_set(self, pool: dict[str, list[GroupInfo]], needed, slots_left: int):
+    """Best admissible set from `pool` (finished groups) for the current train batch."""
     counts = {s: len(v) for s, v in pool.items()}
     if needed is not None:
       iv = F.count_intervals(needed, counts, slots_left, self.spec.bounds)
     else:
-      iv = F.free_intervals(counts, self.spec.bounds, list(self.spec.mini_batch_bounds or ()))
-    for s in iv:
-      pool.setdefault(s, [])
+      # Later mini-batches' minimums are reserved from finished groups only: in-flight
+      # ones may finish late, and counting on them could admit later than
+      # train_batch (a property test found such a case).
+      iv = F.free_intervals(counts, counts, slots_left, self.spec.bounds,
+                            list(self.spec.mini_batch_bounds or ()))
     mean = self._tokens_seen / max(self._groups_seen, 1)
     # Oldest version first; among equals, groups near the mean size keep
     # mini-batches token-balanced; then arrival order.
     key = lambda grp: (grp.version, abs(grp.num_tokens - mean), self._order[grp.group_id][1])
     budget = self.spec.mini_batch_token_budget
-    if budget is None:
-      return F.choose(pool, iv, self.g, key)
-    return F.choose_within_budget(pool, iv, self.g, budget, key)
+    if budget is not None:  # the packer needs every group, in key order
+      return F.choose_within_budget({s: sorted(pool.get(s, ()), key=key) for s in iv}, iv,
+                                    self.g, budget, key)
+    return F.choose({s: _best_by_key(pool.get(s, ()), b, key) for s, (_, b) in iv.items()},
+                    iv, self.g, key)
+
+
+def _best_by_key(groups: list[GroupInfo], b: int, key) -> list[GroupInfo]:
+  """The b best of `groups` by `key`, given `groups` sorted by version (key's head).
+
+  Only groups up to the b-th one's version can be among them, so only that prefix
+  is sorted: a few dozen groups, not the whole pool.
+  """
+  if b <= 0:
+    return []
+  end = min(b, len(groups))
+  last = groups[end - 1].version
+  while end < len(groups) and groups[end].version == last:
+    end += 1
+  return sorted(groups[:end], key=key)[:b]
 
 
 class ConstraintPreservingPolicy(AdmissionPolicy):

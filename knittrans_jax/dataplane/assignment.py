@@ -65,6 +65,8 @@ def plan_micro_batches(mini_batch: MiniBatch, num_consumers: int, micro_batch_si
                        consumer_host: Sequence[str] | None = None,
                        tolerance: float = 0.05) -> MicroBatchPlan:
   """Splits a mini-batch into per-consumer micro-batches (see module doc)."""
+  if not mini_batch.groups:
+    raise ValueError("mini-batch has no groups")
   metas = [m for grp in mini_batch.groups for m in grp.metas]
   if any(not grp.metas for grp in mini_batch.groups):
     missing = [grp.group_id for grp in mini_batch.groups if not grp.metas][:5]

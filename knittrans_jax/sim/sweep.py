@@ -61,6 +61,51 @@ def run_points(config: SimConfig, points: Iterable[tuple], workers: int | None =
     return out
 
 
+def _bisect_policy(args):
+  config, policy, lo, hi, target, steps = args
+  found = []
+  for _ in range(steps):
+    if hi - lo <= 1:
+      break
+    mid = (lo + hi) // 2
+    summary, _ = _run((config, policy, mid, "disaggregated"))
+    found.append(summary)
+    if not summary["stalled"] and summary["throughput_traj_per_s"] >= target:
+      hi = mid
+    else:
+      lo = mid
+  return found
+
+
+def refine(points: list[dict], config: SimConfig, policies: Sequence[str],
+           match_tolerance: float = 0.0, steps: int = 5, workers: int | None = None) -> list[dict]:
+  """Bisects the window of each policy between the last swept W below the baseline
+  throughput and the first at or above it, so the matched point does not depend on
+  the coarseness of the grid. Returns the extra points."""
+  G = config.spec.groups_per_batch
+  ok = [p for p in points if p["mode"] == "disaggregated" and not p["stalled"]]
+  base = next(p for p in ok if p["policy"] == "train_batch" and p["window"] == 2 * G)
+  target = base["throughput_traj_per_s"] * (1 - match_tolerance)
+  jobs = []
+  for name in policies:
+    if name == "train_batch":
+      continue
+    sweep = sorted((p["window"], p) for p in ok if p["policy"] == name)
+    above = [w for w, p in sweep if p["throughput_traj_per_s"] >= target]
+    if not above:
+      continue
+    below = [w for w, p in sweep if w < above[0]]
+    lo = below[-1] if below else config.spec.mini_batch_groups - 1
+    jobs.append((config, name, lo, above[0], target, steps))
+  if not jobs:
+    return []
+  workers = workers or min(len(jobs), os.cpu_count() or 1)
+  if workers <= 1:
+    return [p for job in jobs for p in _bisect_policy(job)]
+  with mp.get_context("fork").Pool(workers) as pool:
+    return [p for found in pool.map(_bisect_policy, jobs) for p in found]
+
+
 def headline(points: list[dict], config: SimConfig, match_tolerance: float = 0.0) -> dict:
   """Matched-throughput and same-window comparisons against train_batch at W = 2G."""
   G = config.spec.groups_per_batch
