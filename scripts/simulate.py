@@ -43,7 +43,8 @@ def sweep(out: str, policies=POLICIES, windows=None, workers=None, match_toleran
   colocated = next(s for s in summaries if s["mode"] == "colocated")
   keys = ("window", "arch_staleness_mean", "arch_staleness_signed_mean", "arch_staleness_p99",
           "arch_staleness_max", "quota_violations", "throughput_traj_per_s", "matched",
-          "trainer_idle_frac", "rollout_idle_frac", "staleness_mean")
+          "trainer_idle_frac", "rollout_idle_frac", "staleness_mean", "rollout_versions_mean",
+          "rollout_s_mean", "sojourn_s_mean")
   summary = {
       "reduction_vs_train_batch": head["reduction_vs_train_batch"],
       "reduction_same_window": head["reduction_same_window"],

@@ -31,3 +31,35 @@ def test_bench_admission_writes_its_json(tmp_path):
   assert result["admit_p99_us"] >= result["admit_p50_us"] > 0
   assert set(result["policies"]) == {"constraint_preserving", "train_batch", "fifo"}
   assert result["policies"]["constraint_preserving"]["admit_calls"] > 16
+
+
+def test_simulate_script_writes_summary(tmp_path):
+  out = tmp_path / "sim"
+  proc = subprocess.run([sys.executable, "scripts/simulate.py", "--gin_file", "configs/sim/tiny.gin",
+                         "--out", str(out)], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  s = json.loads((out / "summary.json").read_text())
+  for name in ("train_batch", "fifo", "constraint_preserving"):
+    p = s["policies"][name]
+    for key in ("window", "arch_staleness_mean", "arch_staleness_signed_mean", "arch_staleness_p99",
+                "arch_staleness_max", "quota_violations", "throughput_traj_per_s"):
+      assert key in p, (name, key)
+  assert s["policies"]["train_batch"]["window"] == 64
+  assert s["policies"]["constraint_preserving"]["quota_violations"] == 0
+  assert s["policies"]["fifo"]["quota_violations"] > 0
+  assert s["policies"]["constraint_preserving"]["throughput_traj_per_s"] >= s["baseline_throughput_traj_per_s"]
+  assert -1 < s["reduction_vs_train_batch"] <= 1 and s["wall_s"] > 0
+  assert (out / "frontier.json").exists() and (out / "operative_config.gin").exists()
+
+
+@pytest.mark.slow
+def test_reproduce_figures_staleness(tmp_path):
+  out = tmp_path / "figs"
+  proc = subprocess.run([sys.executable, "scripts/reproduce_figures.py", "--only", "staleness",
+                         "--gin_file", "configs/sim/tiny.gin", "--sensitivity_batches", "3",
+                         "--out", str(out)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("staleness_frontier.png", "staleness_cdf.png", "staleness_sensitivity.png",
+               "summary.md", "numbers.json"):
+    assert (out / name).stat().st_size > 0, name
+  assert "Reduction vs train_batch" in (out / "summary.md").read_text()

@@ -44,4 +44,9 @@ def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:
       "trainer_idle_frac": 1.0 - result.trainer_busy_s / T,
       "rollout_idle_frac": 1.0 - result.slot_busy_s / (result.slots * T),
       "sim_time_s": T, "dropped": result.dropped,
+      # Where staleness comes from: versions that pass while a group decodes (no
+      # admission policy can remove these) and the whole time in the system.
+      "rollout_versions_mean": float(result.rollout_versions.mean()),
+      "rollout_s_mean": float(result.rollout_s.mean()),
+      "sojourn_s_mean": result.mean_sojourn_s, "in_system_mean": result.mean_in_system,
   }

@@ -50,6 +50,8 @@ class SimResult:
   mean_in_system: float  # time-average of groups dispatched but not trained or dropped
   mean_sojourn_s: float  # dispatch to trained (or dropped), per group
   groups_done: int
+  rollout_versions: np.ndarray  # per finished group: versions elapsed while it decoded
+  rollout_s: np.ndarray  # per finished group: dispatch to last response done
 
   @property
   def arch(self) -> np.ndarray:
@@ -108,6 +110,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   train_start = 0.0
   rec = collections.defaultdict(list)
   mb_counts = []
+  rollout_versions, rollout_s = [], []
   current_mb = None
 
   def push(t, kind, payload):
@@ -211,7 +214,10 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       start_requests()
       if g_left[gid] == 0:
         src = g_source[gid]
-        pol.finished(GroupInfo(gid, src, g_tokens[gid], min(g_vstart[gid])))
+        v_first = min(g_vstart[gid])
+        rollout_versions.append(version - v_first)
+        rollout_s.append(now - g_dispatch[gid])
+        pol.finished(GroupInfo(gid, src, g_tokens[gid], v_first))
         try_train()
         dispatch()  # refills the window if admission dropped stale groups
     elif kind == _TRAIN:
@@ -246,4 +252,5 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       source=as_array("source"), group_id=as_array("group"), sources=names, sim_time_s=now,
       trainer_busy_s=trainer_busy_s, slot_busy_s=slot_busy_s, slots=config.slots,
       mini_batch_counts=mb_counts, dropped=dict(dropped), mean_in_system=area / now,
-      mean_sojourn_s=sojourn_sum / max(groups_done, 1), groups_done=groups_done)
+      mean_sojourn_s=sojourn_sum / max(groups_done, 1), groups_done=groups_done,
+      rollout_versions=np.asarray(rollout_versions), rollout_s=np.asarray(rollout_s))
