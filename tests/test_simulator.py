@@ -86,3 +86,19 @@ def test_errors():
     simulate(config(), mode="hybrid")
   with pytest.raises(ValueError, match="without a length model"):
     config(sources={"math": SOURCES["math"]})
+
+
+def test_weight_sync_options():
+  cfg = config()
+  step = simulate(cfg, "constraint_preserving", 64)
+  per_batch = simulate(config(publish="train_batch"), "constraint_preserving", 64)
+  # Publishing once per train batch: engines see versions only in steps of M.
+  assert set(np.unique(per_batch.v_gen) % cfg.spec.num_mini_batches) == {0}
+  assert len(set(np.unique(step.v_gen) % cfg.spec.num_mini_batches)) > 1
+  slow_sync = simulate(config(sync_latency_s=30.0), "constraint_preserving", 64)
+  assert (slow_sync.v_consume - slow_sync.v_gen).mean() > (step.v_consume - step.v_gen).mean()
+  # Interrupts keep v_gen at the oldest version, and each one costs decode time.
+  interrupted = simulate(config(interrupt_on_sync=True, interrupt_cost_s=2.0),
+                         "constraint_preserving", 64)
+  assert interrupted.trajectories == step.trajectories
+  assert interrupted.slot_busy_s > step.slot_busy_s
