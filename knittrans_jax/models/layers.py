@@ -1,0 +1,94 @@
+"""Transformer building blocks (Flax NNX). Every parameter carries logical axis names.
+
+Logical axes: 'vocab', 'embed' (model width), 'heads' (attention heads x head dim),
+'mlp' (feed-forward width), 'patch' (flattened image patch). Mesh layouts map them
+to mesh axes (configs/mesh/*.gin, knittrans_jax/train/mesh.py).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+_normal = nnx.initializers.normal(stddev=0.02)
+
+
+def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype) -> nnx.Linear:
+  return nnx.Linear(din, dout, use_bias=False, dtype=dtype,
+                    kernel_init=nnx.with_partitioning(_normal, axes), rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+  def __init__(self, dim: int, eps: float = 1e-6):
+    self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(
+        jax.random.key(0), (dim,)))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (y * self.scale[...]).astype(x.dtype)
+
+
+def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary position embedding on [B, T, H, D] at integer positions [B, T]."""
+  d = x.shape[-1]
+  freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
+  angle = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
+  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
+  x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+  out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
+  return out.reshape(x.shape).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Multi-head attention; `mask` [B, Tq, Tk] is True where attending is allowed."""
+
+  def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, dtype, rope_theta: float | None):
+    if dim % heads:
+      raise ValueError(f"width {dim} is not divisible by {heads} heads")
+    self.heads, self.head_dim, self.rope_theta = heads, dim // heads, rope_theta
+    self.q = dense(rngs, dim, dim, ("embed", "heads"), dtype)
+    self.k = dense(rngs, dim, dim, ("embed", "heads"), dtype)
+    self.v = dense(rngs, dim, dim, ("embed", "heads"), dtype)
+    self.o = dense(rngs, dim, dim, ("heads", "embed"), dtype)
+
+  def __call__(self, x, mask, positions=None):
+    B, T, _ = x.shape
+    split = lambda y: y.reshape(B, T, self.heads, self.head_dim)
+    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
+    if self.rope_theta is not None:
+      q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim)
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, -1)
+    return self.o(out)
+
+
+class MLP(nnx.Module):
+  """SwiGLU feed-forward."""
+
+  def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype):
+    self.gate = dense(rngs, dim, hidden, ("embed", "mlp"), dtype)
+    self.up = dense(rngs, dim, hidden, ("embed", "mlp"), dtype)
+    self.down = dense(rngs, hidden, dim, ("mlp", "embed"), dtype)
+
+  def __call__(self, x):
+    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nnx.Module):
+  def __init__(self, dim: int, heads: int, hidden: int, rngs: nnx.Rngs, dtype,
+               rope_theta: float | None, dropout: float = 0.0):
+    self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
+    self.attn = Attention(dim, heads, rngs, dtype, rope_theta)
+    self.mlp = MLP(dim, hidden, rngs, dtype)
+    self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
+
+  def __call__(self, x, mask, positions=None):
+    h = self.attn(self.norm1(x), mask, positions)
+    if self.dropout is not None:
+      h = self.dropout(h)
+    x = x + h
+    return x + self.mlp(self.norm2(x))

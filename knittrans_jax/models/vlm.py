@@ -1,0 +1,34 @@
+"""A VLM: ViT encoder -> projector -> embeddings placed before the text tokens."""
+from __future__ import annotations
+
+from flax import nnx
+
+from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
+from knittrans_jax.models.vit import Projector, ViTConfig, ViTEncoder
+
+
+class VLM(nnx.Module):
+  """images [B, H, W, C], tokens [B, T] -> logits [B, T, vocab].
+
+  `encode` and `decode` are exposed separately so that the encoder can run once per
+  unique image of a mini-batch (knittrans_jax/multimodal/).
+  """
+
+  def __init__(self, vit: ViTConfig, lm: DecoderConfig, rngs: nnx.Rngs):
+    self.encoder = ViTEncoder(vit, rngs)
+    self.projector = Projector(vit.width, lm.width, rngs)
+    self.decoder = DecoderLM(lm, rngs)
+
+  def encode(self, images):
+    """Projected image embeddings [B, num_patches, lm width]."""
+    return self.projector(self.encoder(images))
+
+  def decode(self, image_embeds, tokens, attention_mask):
+    return self.decoder(tokens, attention_mask, prefix=image_embeds)
+
+  def __call__(self, images, tokens, attention_mask):
+    return self.decode(self.encode(images), tokens, attention_mask)
+
+
+def vlm_forward(model, batch):
+  return model(batch["images"], batch["tokens"], batch["attention_mask"])

@@ -1,0 +1,69 @@
+"""Train batches: the arrays a step takes, their checks and their shardings.
+
+A text batch is a dict of
+  tokens          int32   [B, T]  prompt + response, right-padded
+  attention_mask  bool    [B, T]  real tokens
+  loss_mask       float32 [B, T]  1 on response tokens that train
+  behaviour_logp  float32 [B, T]  log-prob of each token under the rollout policy
+  advantages      float32 [B]
+and a VLM batch adds images float32 [B, H, W, C].
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding
+
+SPEC = {  # name: (dtype kind, rank)
+    "tokens": ("iu", 2), "attention_mask": ("bui", 2), "loss_mask": ("fbui", 2),
+    "behaviour_logp": ("f", 2), "advantages": ("f", 1),
+}
+OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2)}
+
+
+class BadBatchError(ValueError):
+  """A batch that a step cannot take; names the field and the value."""
+
+
+def check_batch(batch: dict, vocab_size: int, rows_multiple: int = 1) -> None:
+  missing = set(SPEC) - set(batch)
+  if missing:
+    raise BadBatchError(f"batch is missing {sorted(missing)}")
+  B, T = np.shape(batch["tokens"])[:2] if np.ndim(batch["tokens"]) == 2 else (None, None)
+  for name, (kinds, rank) in {**SPEC, **{k: v for k, v in OPTIONAL.items() if k in batch}}.items():
+    arr = batch[name]
+    dtype = np.asarray(arr).dtype if not hasattr(arr, "dtype") else np.dtype(arr.dtype)
+    if dtype.kind not in kinds:
+      raise BadBatchError(f"batch['{name}'] has dtype {dtype}; expected kind {kinds!r}")
+    shape = np.shape(arr)
+    if len(shape) != rank:
+      raise BadBatchError(f"batch['{name}'] has shape {shape}; expected rank {rank}")
+    if shape[0] != B or (rank == 2 and shape[1] != T):
+      raise BadBatchError(f"batch['{name}'] has shape {shape}; tokens are [{B}, {T}]")
+  if B % rows_multiple:
+    raise BadBatchError(f"batch of {B} rows does not split over {rows_multiple} batch shards")
+  tokens = np.asarray(batch["tokens"])
+  lo, hi = int(tokens.min()), int(tokens.max())
+  if lo < 0 or hi >= vocab_size:
+    raise BadBatchError(f"batch['tokens'] holds ids in [{lo}, {hi}], outside the vocabulary "
+                        f"[0, {vocab_size})")
+  for name in ("behaviour_logp", "advantages"):
+    if not np.isfinite(np.asarray(batch[name])).all():
+      raise BadBatchError(f"batch['{name}'] holds NaN or inf")
+
+
+def batch_shardings(mesh: Mesh, rules, batch: dict, stacked: bool = False) -> dict:
+  """Rows split over the batch axes; a stacked [K, ...] batch keeps K unsplit."""
+  lead = (None,) if stacked else ()
+  return {k: logical_sharding(mesh, rules, *lead, "batch", *([None] * (np.ndim(v) - 1 - len(lead))))
+          for k, v in batch.items()}
+
+
+def put_batch(batch: dict, shardings: dict) -> dict:
+  return {k: jax.device_put(np.asarray(v), shardings[k]) for k, v in batch.items()}
+
+
+def rows_multiple(mesh: Mesh, rules) -> int:
+  return batch_size_multiple(mesh, rules)

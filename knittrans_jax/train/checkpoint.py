@@ -1,0 +1,62 @@
+"""Orbax checkpoints of the train state plus the data path's progress.
+
+Saved every `every_steps` optimizer steps (asynchronously: training goes on while
+the write finishes), keeping the last `keep`. A checkpoint holds the params, the
+optimizer state, the version, the RNG key data and an opaque JSON blob (e.g. which
+trajectories were consumed) so a resumed run neither repeats nor skips data.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import gin
+import jax
+import orbax.checkpoint as ocp
+
+from knittrans_jax.train.state import TrainState
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 50
+  keep: int = 3
+  async_save: bool = True
+
+
+class Checkpointer:
+
+  def __init__(self, directory: str, config: CheckpointConfig = CheckpointConfig()):
+    self.directory = os.path.abspath(directory)  # orbax needs an absolute path
+    options = ocp.CheckpointManagerOptions(
+        save_interval_steps=config.every_steps, max_to_keep=config.keep,
+        enable_async_checkpointing=config.async_save)
+    self._manager = ocp.CheckpointManager(self.directory, options=options,
+                                          item_names=("state", "progress"))
+
+  def save(self, state: TrainState, progress: dict, force: bool = False) -> bool:
+    """Saves at the state's version if it is due (or `force`); returns whether it did."""
+    step = int(jax.device_get(state.version))
+    return self._manager.save(step, args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state._asdict()), progress=ocp.args.JsonSave(progress)),
+        force=force)
+
+  def latest_step(self) -> int | None:
+    return self._manager.latest_step()
+
+  def restore(self, target: TrainState, step: int | None = None):
+    """(state, progress) of the latest (or given) checkpoint, sharded like `target`
+    (a TrainState of ShapeDtypeStructs with shardings); None if there is none."""
+    step = self._manager.latest_step() if step is None else step
+    if step is None:
+      return None
+    out = self._manager.restore(step, args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(target._asdict()), progress=ocp.args.JsonRestore()))
+    return TrainState(**out.state), out.progress
+
+  def wait(self) -> None:
+    self._manager.wait_until_finished()
+
+  def close(self) -> None:
+    self._manager.close()

@@ -1,0 +1,109 @@
+"""Sharded, jitted step functions: per-micro-batch gradients, accumulation, update.
+
+    fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, rules)
+    acc = fns.zero_grads(state.params)
+    for micro in micro_batches:                # arrive one at a time from the data path
+      grads, sums = fns.grad_step(state, micro, total_tokens)
+      acc = fns.accumulate(acc, grads)
+    state, metrics = fns.apply_step(state, acc)
+
+`total_tokens` is the number of loss tokens in the whole mini-batch, over every
+micro-batch and consumer, so the accumulated gradient is that of a true global
+token mean. `scan_step` does the same over a stacked mini-batch with lax.scan.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh
+
+from knittrans_jax.rl.losses import LossConfig, nll_loss_sum, ppo_loss_sum
+from knittrans_jax.train.batch import batch_shardings
+from knittrans_jax.train.mesh import replicated
+from knittrans_jax.train.state import TrainState
+
+
+def text_forward(model, batch):
+  return model(batch["tokens"], batch["attention_mask"])
+
+
+class StepFunctions:
+
+  def __init__(self, graphdef, shardings: TrainState, tx: optax.GradientTransformation,
+               loss: LossConfig, mesh: Mesh, rules,
+               forward: Callable = text_forward, objective: str = "ppo"):
+    if objective not in ("ppo", "nll"):
+      raise ValueError(f"objective = {objective!r}: use 'ppo' or 'nll'")
+    self.graphdef, self.shardings, self.tx, self.loss = graphdef, shardings, tx, loss
+    self.mesh, self.rules, self.forward, self.objective = mesh, rules, forward, objective
+    self._jitted = {}
+    repl = replicated(mesh)
+    self._grad_sh = shardings.params
+    self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g),
+                              in_shardings=(self._grad_sh, self._grad_sh),
+                              out_shardings=self._grad_sh, donate_argnums=0)
+    self.apply_step = jax.jit(self._apply, in_shardings=(shardings, self._grad_sh),
+                              out_shardings=(shardings, repl), donate_argnums=0)
+    self.zero_grads = jax.jit(  # fp32 accumulator shaped and sharded like the params
+        lambda params: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        in_shardings=(self._grad_sh,), out_shardings=self._grad_sh)
+
+  # -- pieces ---------------------------------------------------------------
+  def _micro(self, params, batch, total_tokens):
+    def loss_fn(p):
+      logits = self.forward(nnx.merge(self.graphdef, p), batch)
+      if self.objective == "nll":
+        loss_sum, sums = nll_loss_sum(logits, batch)
+      else:
+        loss_sum, sums = ppo_loss_sum(logits, batch, self.loss)
+      return loss_sum / total_tokens, sums
+    (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
+
+  def _apply(self, state: TrainState, grads):
+    updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = {"grad_norm": optax.tree.norm(grads)}
+    return TrainState(params, opt_state, state.version + 1, state.rng), metrics
+
+  def _scan(self, state, stacked, total_tokens):
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+
+    def body(carry, micro):
+      acc, sums = carry
+      grads, s = self._micro(state.params, micro, total_tokens)
+      return (jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.add, sums, s)), None
+
+    first = jax.tree.map(lambda x: x[0], stacked)
+    sums0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
+        lambda: self._micro(state.params, first, total_tokens)[1]))
+    (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), stacked)
+    new_state, metrics = self._apply(state, grads)
+    return new_state, {**metrics, **sums}
+
+  # -- jitted entry points (compiled per batch shape) -------------------------
+  def grad_step(self, state: TrainState, batch: dict, total_tokens):
+    """Gradients (fp32, sharded like params) of one micro-batch and its metric sums."""
+    key = ("grad", tuple(sorted((k, v.shape) for k, v in batch.items())))
+    if key not in self._jitted:
+      repl = replicated(self.mesh)
+      self._jitted[key] = jax.jit(
+          lambda st, b, n: self._micro(st.params, b, n),
+          in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, batch), repl),
+          out_shardings=(self._grad_sh, repl))
+    return self._jitted[key](state, batch, jnp.float32(total_tokens))
+
+  def scan_step(self, state: TrainState, stacked: dict, total_tokens):
+    """One optimizer step over a stacked mini-batch [K, B, ...] (lax.scan)."""
+    key = ("scan", tuple(sorted((k, v.shape) for k, v in stacked.items())))
+    if key not in self._jitted:
+      repl = replicated(self.mesh)
+      self._jitted[key] = jax.jit(
+          self._scan, in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, stacked,
+                                                                    stacked=True), repl),
+          out_shardings=(self.shardings, repl), donate_argnums=0)
+    return self._jitted[key](state, stacked, jnp.float32(total_tokens))
