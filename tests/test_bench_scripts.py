@@ -63,3 +63,16 @@ def test_reproduce_figures_staleness(tmp_path):
                "summary.md", "numbers.json"):
     assert (out / name).stat().st_size > 0, name
   assert "Reduction vs train_batch" in (out / "summary.md").read_text()
+
+
+@pytest.mark.slow
+def test_bench_train_step_writes_its_json(tmp_path):
+  out = tmp_path / "train.json"
+  env = dict(__import__("os").environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "scripts/bench_train_step.py", "--json", str(out),
+                         "--layouts", "dp", "--seq", "32", "--batch", "8", "--micro_batches", "2",
+                         "--reps", "1"], capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())["layouts"]["dp"]
+  assert r["tokens_per_s"] > 0 and r["grad_step_tokens_per_s"] > 0 and r["mesh"] == {"data": 8}
