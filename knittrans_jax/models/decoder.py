@@ -66,5 +66,30 @@ class DecoderLM(nnx.Module):
     mask = causal[None] & valid[:, None, :]
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     for block in self.blocks:
-      x = block(x, mask, positions)
+      x, _ = block(x, mask, positions)
     return self.head(self.norm(x[:, P:])).astype(jnp.float32)
+
+  # -- incremental decoding (the rollout sampler) -----------------------------
+  def prefill(self, tokens, valid, capacity: int):
+    """Runs the prompt; returns the last position's logits and a KV cache of
+    `capacity` positions per layer. Prompts are left-padded (`valid` False on pads)."""
+    B, T = tokens.shape
+    x = self.embed(tokens)
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
+    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    caches = []
+    for block in self.blocks:
+      x, (k, v) = block(x, mask, positions)
+      pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
+      caches.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+    return self.head(self.norm(x[:, -1:]))[:, 0].astype(jnp.float32), caches
+
+  def decode_step(self, token, position, caches, index, key_valid):
+    """One token per row at cache slot `index`; `key_valid` [B, S] marks filled slots."""
+    x = self.embed(token[:, None])
+    mask = key_valid[:, None, :]
+    new = []
+    for block, cache in zip(self.blocks, caches):
+      x, kv = block(x, mask, position[:, None], cache, index)
+      new.append(kv)
+    return self.head(self.norm(x))[:, 0].astype(jnp.float32), new

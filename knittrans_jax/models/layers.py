@@ -53,17 +53,30 @@ class Attention(nnx.Module):
     self.v = dense(rngs, dim, dim, ("embed", "heads"), dtype)
     self.o = dense(rngs, dim, dim, ("heads", "embed"), dtype)
 
-  def __call__(self, x, mask, positions=None):
+  def _qkv(self, x, positions):
     B, T, _ = x.shape
     split = lambda y: y.reshape(B, T, self.heads, self.head_dim)
     q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
     if self.rope_theta is not None:
       q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+    return q, k, v
+
+  def _attend(self, q, k, v, mask):
     scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim)
     scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v).reshape(B, T, -1)
-    return self.o(out)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    return self.o(out.reshape(out.shape[0], out.shape[1], -1))
+
+  def __call__(self, x, mask, positions=None, cache=None, index=None):
+    """Full attention; with `cache` (k, v of [B, S, H, D]) the new keys and values
+    are written at `index` and the queries attend over the cache (decoding)."""
+    q, k, v = self._qkv(x, positions)
+    if cache is None:
+      return self._attend(q, k, v, mask), (k, v)
+    ck = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, index, 0, 0))
+    cv = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, index, 0, 0))
+    return self._attend(q, ck, cv, mask), (ck, cv)
 
 
 class MLP(nnx.Module):
@@ -86,9 +99,10 @@ class Block(nnx.Module):
     self.mlp = MLP(dim, hidden, rngs, dtype)
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
-  def __call__(self, x, mask, positions=None):
-    h = self.attn(self.norm1(x), mask, positions)
+  def __call__(self, x, mask, positions=None, cache=None, index=None):
+    """Returns the block output and this layer's (k, v) (the updated cache if given)."""
+    h, kv = self.attn(self.norm1(x), mask, positions, cache, index)
     if self.dropout is not None:
       h = self.dropout(h)
     x = x + h
-    return x + self.mlp(self.norm2(x))
+    return x + self.mlp(self.norm2(x)), kv

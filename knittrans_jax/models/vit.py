@@ -57,7 +57,7 @@ class ViTEncoder(nnx.Module):
     x = self.patch(x.reshape(B, cfg.num_patches, p * p * C)) + self.pos[...]
     mask = jnp.ones((B, cfg.num_patches, cfg.num_patches), bool)  # bidirectional
     for block in self.blocks:
-      x = block(x, mask)
+      x, _ = block(x, mask)
     return self.norm(x)
 
 

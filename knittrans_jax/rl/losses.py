@@ -23,6 +23,7 @@ class LossConfig:
   clip_high: float = 0.2
   kl_coef: float = 0.0
   normalize_adv_std: bool = True
+  temperature: float = 1.0  # must equal the sampler's: log-probs of logits / temperature
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -60,7 +61,7 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   Returning sums lets micro-batches and consumers be added up and divided once by
   the mini-batch's total token count: a true global token mean.
   """
-  logp, entropy = token_logprobs(logits, batch["tokens"])
+  logp, entropy = token_logprobs(logits / config.temperature, batch["tokens"])
   mask = batch["loss_mask"].astype(jnp.float32)
   loss, ratio, clipped = ppo_token_terms(logp, batch["behaviour_logp"], batch["advantages"],
                                          config, batch.get("ref_logp"))

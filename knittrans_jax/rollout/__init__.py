@@ -1,0 +1,1 @@
+"""Rollout: the KV-cache sampler, synthetic tasks, workers and weight sync."""

@@ -1,0 +1,92 @@
+"""A jitted sampler for the NNX decoder with a KV cache.
+
+Prompts are left-padded to a common length P so that every row's next token goes
+to the same cache slot; RoPE positions count real tokens only, so padding does not
+shift them. Returns the sampled tokens, the behaviour log-probs (log-softmax of
+logits / temperature at each sampled token; top-p truncation is not folded in),
+and the response lengths (up to and including the first stop token).
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import gin
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+  max_new_tokens: int = 16
+  temperature: float = 1.0
+  top_p: float = 1.0
+  stop_tokens: tuple[int, ...] = (1,)
+
+  def __post_init__(self):
+    if self.temperature <= 0 or not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplerConfig: temperature {self.temperature} must be > 0 and top_p "
+                       f"{self.top_p} in (0, 1]")
+
+
+def _top_p_filter(logits, top_p):
+  sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+  probs = jax.nn.softmax(sorted_logits, axis=-1)
+  cum = jnp.cumsum(probs, axis=-1)
+  # Keep the smallest prefix whose mass reaches top_p (always the top token).
+  cutoff_idx = jnp.sum(cum < top_p, axis=-1, keepdims=True)
+  cutoff = jnp.take_along_axis(sorted_logits, cutoff_idx, axis=-1)
+  return jnp.where(logits < cutoff, -jnp.inf, logits)
+
+
+@partial(jax.jit, static_argnames=("graphdef", "config"))
+def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig):
+  model = nnx.merge(graphdef, params)
+  B, P = prompts.shape
+  N = config.max_new_tokens
+  logits, caches = model.prefill(prompts, valid, P + N)
+  key_valid = jnp.concatenate([valid, jnp.zeros((B, N), bool)], axis=1)
+  start = valid.sum(axis=1).astype(jnp.int32)
+  stops = jnp.asarray(config.stop_tokens, jnp.int32)
+
+  def body(carry, t):
+    logits, caches, key_valid, done, rng = carry
+    rng, sub = jax.random.split(rng)
+    scaled = logits / config.temperature
+    filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
+    token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
+    logp = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
+    live = ~done
+    token = jnp.where(live, token, 0)
+    logp = jnp.where(live, logp, 0.0)
+    done = done | jnp.isin(token, stops)
+    key_valid = key_valid.at[:, P + t].set(live)
+    logits, caches = model.decode_step(token, start + t, caches, P + t, key_valid)
+    return (logits, caches, key_valid, done, rng), (token, logp, live)
+
+  init = (logits, caches, key_valid, jnp.zeros((B,), bool), rng)
+  _, (tokens, logps, live) = jax.lax.scan(body, init, jnp.arange(N))
+  return tokens.T, logps.T, live.T.sum(axis=1)
+
+
+def left_pad(prompts: list[np.ndarray], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  P = max(len(p) for p in prompts)
+  out = np.full((len(prompts), P), pad_id, np.int32)
+  valid = np.zeros((len(prompts), P), bool)
+  for i, p in enumerate(prompts):
+    out[i, P - len(p):] = p
+    valid[i, P - len(p):] = True
+  return out, valid
+
+
+def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
+             config: SamplerConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+  """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays."""
+  tokens, valid = left_pad(prompts)
+  out_t, out_lp, lengths = jax.device_get(
+      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config))
+  return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
+          for i in range(len(prompts))]

@@ -1,0 +1,81 @@
+"""Synthetic tasks with verifiable rewards, generated from a seed (no downloads).
+
+Vocabulary (the tiny model's 64 ids): 0 PAD, 1 EOS (the stop token), 2 BOS,
+3-5 task markers, 6 SEP, 7 X (a marker the `count` task asks for), 16-31 the
+digits 0-15. Every task scores in [0, 1] with partial credit, so a randomly
+initialised policy already sees reward differences within a group.
+
+  nearest  (short answers)  prompt: BOS NEAR d SEP. Answer: the digit d, then EOS.
+           reward = max(0, 1 - |a - d| / 8) for the first response token a if it is a
+           digit (else 0), times 1 if the answer stops right after it, else 0.7.
+  count    (medium)         prompt: BOS COUNT n SEP, n in 2..9. Answer: n X tokens,
+           then EOS. reward = 0.5 exp(-|len - n| / 3) + 0.5 (X tokens among the
+           first n) / n, where len is the response length before EOS.
+  chain    (long-tailed)    prompt: BOS CHAIN a L SEP, L in 2..15 drawn with a long
+           tail. Answer: the digits a, a+1, ... (mod 16), L of them, then EOS.
+           reward = (correct digits among the first L) / L x exp(-|len - L| / 4).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+PAD, EOS, BOS, NEAR, COUNT, CHAIN, SEP, X = 0, 1, 2, 3, 4, 5, 6, 7
+DIGIT0 = 16
+VOCAB_SIZE = 64
+SOURCES = ("nearest", "count", "chain")
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  source: str
+  prompt: np.ndarray  # int32
+  answer: dict  # what the scorer checks
+
+
+def digit(d: int) -> int:
+  return DIGIT0 + d
+
+
+def make_task(rng: np.random.Generator, source: str) -> Task:
+  if source == "nearest":
+    d = int(rng.integers(0, 16))
+    return Task(source, np.array([BOS, NEAR, digit(d), SEP], np.int32), {"d": d})
+  if source == "count":
+    n = int(rng.integers(2, 10))
+    return Task(source, np.array([BOS, COUNT, digit(n), SEP], np.int32), {"n": n})
+  if source == "chain":
+    a = int(rng.integers(0, 16))
+    L = int(np.clip(np.round(rng.lognormal(np.log(4), 0.6)), 2, 15))
+    return Task(source, np.array([BOS, CHAIN, digit(a), digit(L), SEP], np.int32),
+                {"a": a, "L": L})
+  raise ValueError(f"unknown task source {source!r}; choose one of {SOURCES}")
+
+
+def _body(response: np.ndarray) -> tuple[np.ndarray, bool]:
+  """Response tokens before the first EOS, and whether an EOS was emitted."""
+  stops = np.flatnonzero(response == EOS)
+  return (response[:stops[0]], True) if stops.size else (response, False)
+
+
+def score(task: Task, response: np.ndarray) -> float:
+  body, stopped = _body(np.asarray(response))
+  if task.source == "nearest":
+    d = task.answer["d"]
+    if body.size == 0 or not DIGIT0 <= body[0] < DIGIT0 + 16:
+      return 0.0
+    closeness = max(0.0, 1.0 - abs(int(body[0]) - DIGIT0 - d) / 8.0)
+    return closeness * (1.0 if (stopped and body.size == 1) else 0.7)
+  if task.source == "count":
+    n = task.answer["n"]
+    xs = int(np.sum(body[:n] == X))
+    return 0.5 * math.exp(-abs(body.size - n) / 3.0) + 0.5 * xs / n
+  if task.source == "chain":
+    a, L = task.answer["a"], task.answer["L"]
+    want = DIGIT0 + (a + np.arange(L)) % 16
+    got = body[:L]
+    correct = int(np.sum(got == want[:got.size]))
+    return correct / L * math.exp(-abs(body.size - L) / 4.0)
+  raise ValueError(f"unknown task source {task.source!r}")
