@@ -18,7 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 	touch $(STAMP)
 
 run: install
-	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
+	JAX_PLATFORMS=cpu $(PY) scripts/train.py --gin_file configs/text_grpo_tiny.gin --workdir runs/text_grpo_tiny --overwrite
 
 test: install
 	$(TEST_ENV) $(PY) -m pytest -q tests

@@ -108,6 +108,16 @@ class AdmissionPolicy:
     q = self.spec.source_quota
     return None if q is None else {s: n for s, n in q.items() if n > 0}
 
+  def position(self) -> dict:
+    """Where the policy is: for checkpoints (restore with `restore_position`)."""
+    return {"train_batch": self.train_batch, "index": self.index, "needed": self.needed()}
+
+  def restore_position(self, position: dict) -> None:
+    """Continues train batch k at mini-batch j with its remaining needs (resume)."""
+    self.train_batch, self.index = int(position["train_batch"]), int(position["index"])
+    needed = position.get("needed")
+    self._needed = None if needed is None or self._fresh_needs() is None else dict(needed)
+
   # ---- views --------------------------------------------------------------
   def pool_groups(self) -> list[GroupInfo]:
     """Finished groups not yet admitted (nor dropped)."""

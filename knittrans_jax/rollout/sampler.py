@@ -72,8 +72,10 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig):
   return tokens.T, logps.T, live.T.sum(axis=1)
 
 
-def left_pad(prompts: list[np.ndarray], pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
-  P = max(len(p) for p in prompts)
+def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
+             length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Left-pads to `length` (default: the longest prompt); a fixed length avoids recompiles."""
+  P = max(len(p) for p in prompts) if length is None else length
   out = np.full((len(prompts), P), pad_id, np.int32)
   valid = np.zeros((len(prompts), P), bool)
   for i, p in enumerate(prompts):
@@ -83,9 +85,10 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0) -> tuple[np.ndarray, np
 
 
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
-             config: SamplerConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+             config: SamplerConfig, prompt_len: int | None = None
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays."""
-  tokens, valid = left_pad(prompts)
+  tokens, valid = left_pad(prompts, length=prompt_len)
   out_t, out_lp, lengths = jax.device_get(
       _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config))
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))

@@ -38,6 +38,8 @@ class Checkpointer:
   def save(self, state: TrainState, progress: dict, force: bool = False) -> bool:
     """Saves at the state's version if it is due (or `force`); returns whether it did."""
     step = int(jax.device_get(state.version))
+    if step == self._manager.latest_step():
+      return False  # already saved at this version (e.g. a periodic save, then the final one)
     return self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state._asdict()), progress=ocp.args.JsonSave(progress)),
         force=force)

@@ -1,0 +1,52 @@
+"""Payload -> the static-shape arrays a train step takes (host numpy, right-padded)."""
+from __future__ import annotations
+
+import numpy as np
+
+from knittrans_jax.types import Payload, TrajMeta
+
+
+def group_advantages_by_id(groups, normalize_std: bool = True, eps: float = 1e-6) -> dict:
+  """{trajectory id: advantage} from each admitted group's rewards (GRPO)."""
+  out = {}
+  for grp in groups:
+    rewards = np.array([m.reward for m in grp.metas], np.float32)
+    centred = rewards - rewards.mean()
+    if normalize_std:
+      centred = centred / (rewards.std() + eps)
+    out.update({m.id: float(a) for m, a in zip(grp.metas, centred)})
+  return out
+
+
+def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> dict:
+  """Right-pads each trajectory to `seq_len`; pads the batch with empty rows to `rows`.
+
+  Empty rows have no valid tokens and no loss tokens, so they change nothing.
+  """
+  n = len(payload.metas)
+  if n > rows:
+    raise ValueError(f"{n} trajectories do not fit a micro-batch of {rows} rows")
+  tokens = np.zeros((rows, seq_len), np.int32)
+  attn = np.zeros((rows, seq_len), bool)
+  loss_mask = np.zeros((rows, seq_len), np.float32)
+  logp = np.zeros((rows, seq_len), np.float32)
+  adv = np.zeros((rows,), np.float32)
+  for i, (m, t, lp, mk) in enumerate(zip(payload.metas, payload.tokens, payload.logprobs,
+                                          payload.loss_mask)):
+    if t.size > seq_len:
+      raise ValueError(f"trajectory {m.id} has {t.size} tokens > seq_len {seq_len}")
+    tokens[i, :t.size] = t
+    attn[i, :t.size] = True
+    loss_mask[i, :t.size] = mk
+    logp[i, :t.size] = lp
+    adv[i] = advantages[m.id]
+  return dict(tokens=tokens, attention_mask=attn, loss_mask=loss_mask, behaviour_logp=logp,
+              advantages=adv)
+
+
+def loss_tokens(metas: list[TrajMeta], payload: Payload | None = None) -> int:
+  """Loss tokens of trajectories (all response tokens carry mask 1 in our tasks,
+  but the mask is read from the payload when given)."""
+  if payload is not None:
+    return int(sum(int(m.sum()) for m in payload.loss_mask))
+  return sum(m.response_len for m in metas)

@@ -1,0 +1,47 @@
+"""The training job's knobs (gin: configs/text_grpo_tiny.gin)."""
+from __future__ import annotations
+
+import dataclasses
+
+import gin
+
+from knittrans_jax.admission import TrainBatchSpec
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+  """mode: 'disaggregated' (R worker processes, admission by `policy`) or
+  'colocated' (generate a train batch with the current weights, then train on it).
+  window: groups dispatched but not yet trained (default 2G, one-step-off).
+  micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
+  seq_len: static sequence length of a train batch (prompt + response).
+  """
+  spec: TrainBatchSpec = None
+  mode: str = "disaggregated"
+  policy: str = "constraint_preserving"
+  workers: int = 2
+  window: int | None = None
+  train_batches: int = 8
+  micro_batch_size: int = 32
+  seq_len: int = 24
+  seed: int = 0
+  store_url: str | None = None
+  log_every: int = 1
+
+  def __post_init__(self):
+    spec = self.spec if self.spec is not None else TrainBatchSpec()
+    object.__setattr__(self, "spec", spec)
+    if self.mode not in ("disaggregated", "colocated"):
+      raise ValueError(f"JobConfig.mode = {self.mode!r}: use 'disaggregated' or 'colocated'")
+    rows = spec.mini_batch_groups * spec.group_size
+    if rows % self.micro_batch_size:
+      raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
+                       f"the mini-batch's {rows} trajectories (g = {spec.mini_batch_groups} x "
+                       f"n = {spec.group_size})")
+    if self.mode == "disaggregated" and self.workers <= 0:
+      raise ValueError(f"JobConfig.workers = {self.workers} must be positive")
+
+  @property
+  def groups_in_flight(self) -> int:
+    return self.window if self.window is not None else 2 * self.spec.groups_per_batch

@@ -1,0 +1,88 @@
+"""Per-step metrics of the job: metrics.jsonl, staleness records, the final summary."""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import time
+
+import numpy as np
+
+from knittrans_jax.admission import TrainBatchSpec
+
+
+class MetricsLog:
+
+  def __init__(self, workdir: str, spec: TrainBatchSpec, resume: bool = False,
+               upto_step: int = 0):
+    self.spec = spec
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.records: list[dict] = []
+    if resume and os.path.exists(self.path):
+      with open(self.path) as f:
+        # Steps after the restored checkpoint were undone: drop their records.
+        self.records = [r for r in (json.loads(line) for line in f if line.strip())
+                        if r["step"] <= upto_step]
+    with open(self.path, "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in self.records)
+    self.arch: list[int] = [a for r in self.records for a in r.get("arch", [])]
+    self.batch_counts = collections.defaultdict(collections.Counter)
+    for r in self.records:
+      self.batch_counts[r["train_batch"]].update(r["source_counts"])
+    self.t0 = time.perf_counter()
+    self.trajectories = sum(r["trajectories"] for r in self.records)
+
+  def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float) -> None:
+    arch = [v_consume - m.version_first - mb.index for m in metas]
+    self.arch += arch
+    tokens = max(sums.get("tokens", 0.0), 1.0)
+    counts = collections.Counter(grp.source for grp in mb.groups)
+    self.batch_counts[mb.train_batch].update(counts)
+    self.trajectories += len(metas)
+    rec = {
+        "step": v_consume + 1, "train_batch": mb.train_batch, "index": mb.index,
+        "reward": float(np.mean([m.reward for m in metas])),
+        "reward_by_source": {s: float(np.mean([m.reward for m in metas if m.source == s]))
+                             for s in counts},
+        "loss": sums.get("loss", 0.0) / tokens, "entropy": sums.get("entropy", 0.0) / tokens,
+        "clip_frac": sums.get("clip_frac", 0.0) / tokens, "grad_norm": grad_norm,
+        "arch_staleness_mean": float(np.mean(np.maximum(arch, 0))),
+        "trajectories": len(metas), "source_counts": dict(counts), "arch": arch,
+        "ids": [m.id for m in metas], "groups": sorted(grp.group_id for grp in mb.groups),
+        "response_len": float(np.mean([m.response_len for m in metas])),
+        "time_s": time.perf_counter() - self.t0,
+    }
+    self.records.append(rec)
+    with open(self.path, "a") as f:
+      f.write(json.dumps(rec) + "\n")
+
+  def postfix(self) -> dict:
+    r = self.records[-1]
+    el = max(r["time_s"], 1e-9)
+    return {"reward": f"{r['reward']:.3f}", "stale": f"{r['arch_staleness_mean']:.2f}",
+            "traj/s": f"{self.trajectories / el:.1f}"}
+
+  def quota_violations(self) -> int:
+    if self.spec.source_quota is None:
+      return 0
+    bad = 0
+    for k, counts in self.batch_counts.items():
+      if sum(counts.values()) == self.spec.groups_per_batch and any(
+          counts.get(s, 0) != q for s, q in self.spec.source_quota.items()):
+        bad += 1
+    return bad
+
+  def summary(self, **extra) -> dict:
+    steps = len(self.records)
+    tenth = max(1, steps // 10)
+    rewards = [r["reward"] for r in self.records]
+    arch = np.maximum(np.asarray(self.arch or [0]), 0)
+    return {
+        "reward_first": float(np.mean(rewards[:tenth])) if rewards else None,
+        "reward_last": float(np.mean(rewards[-tenth:])) if rewards else None,
+        "arch_staleness_mean": float(arch.mean()),
+        "arch_staleness_signed_mean": float(np.mean(self.arch or [0])),
+        "arch_staleness_p99": float(np.percentile(arch, 99)),
+        "quota_violations": self.quota_violations(), "steps": steps,
+        "trajectories": self.trajectories, **extra,
+    }

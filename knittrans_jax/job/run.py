@@ -1,0 +1,332 @@
+"""The training job: controller + trainer in this process, rollout workers beside it.
+
+One trajectory's journey: a worker generates it and appends it to its storage unit
+(rollout/worker.py), reports metadata; the controller feeds the group to admission
+(admission/), plans the admitted mini-batch's micro-batches (dataplane/), reads
+them from the store with the next one prefetched (storage/), and the trainer
+steps (train/). Weights go back to the workers through the work dir (rollout/weights.py).
+"""
+from __future__ import annotations
+
+import collections
+import json
+import multiprocessing as mp
+import os
+import queue
+import time
+
+import jax
+import numpy as np
+from tqdm import tqdm
+
+from knittrans_jax import gin_cli
+from knittrans_jax.admission import GroupInfo, make_policy
+from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.job.batching import build_batch, group_advantages_by_id
+from knittrans_jax.job.config import JobConfig
+from knittrans_jax.job.metrics import MetricsLog
+from knittrans_jax.models import DecoderConfig, DecoderLM
+from knittrans_jax.rl import LossConfig
+from knittrans_jax.rollout import tasks
+from knittrans_jax.rollout.groups import PROMPT_LEN, rollout_groups
+from knittrans_jax.rollout.sampler import SamplerConfig
+from knittrans_jax.rollout.weights import WeightPublisher
+from knittrans_jax.rollout.worker import worker_main
+from knittrans_jax.sim.workload import PromptStream
+from knittrans_jax.storage import StoreSchema, TrajectoryStore
+from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, OptimizerConfig,
+                                 StepFunctions, abstract_state, check_batch, init_train_state,
+                                 make_mesh, make_optimizer)
+from knittrans_jax.train.batch import rows_multiple
+
+
+class _Quotas:
+  """Prompt sources in quota-exact blocks of G (shuffled), seeded."""
+
+  def __init__(self, spec, seed):
+    shim = type("C", (), {"spec": spec, "sources": {s: None for s in tasks.SOURCES}})
+    self._stream = PromptStream(shim, np.random.default_rng([seed, 7]))
+
+  def next(self) -> str:
+    return self._stream.next()
+
+
+class Job:
+
+  def __init__(self, workdir: str, resume: bool = False):
+    self.workdir = os.path.abspath(workdir)
+    os.makedirs(self.workdir, exist_ok=True)
+    self.cfg = cfg = JobConfig()
+    self.model_cfg = DecoderConfig()
+    self.sampler_cfg = SamplerConfig()
+    self.loss_cfg = LossConfig()
+    spec = cfg.spec
+    if self.model_cfg.vocab_size < tasks.VOCAB_SIZE:
+      raise ValueError(f"DecoderConfig.vocab_size = {self.model_cfg.vocab_size} < the tasks' "
+                       f"vocabulary {tasks.VOCAB_SIZE}")
+    if cfg.seq_len < PROMPT_LEN + self.sampler_cfg.max_new_tokens:
+      raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {PROMPT_LEN} + "
+                       f"max_new_tokens {self.sampler_cfg.max_new_tokens}")
+    unknown = set(spec.source_quota or {}) - set(tasks.SOURCES)
+    if unknown:
+      raise ValueError(f"TrainBatchSpec.source_quota names unknown sources {sorted(unknown)}; "
+                       f"the tasks are {tasks.SOURCES}")
+    mesh_cfg = MeshConfig()
+    self.mesh = make_mesh(mesh_cfg)
+    self.rules = mesh_cfg.rules
+    tx = make_optimizer(OptimizerConfig())
+    self.graphdef, self.state, shardings = init_train_state(
+        lambda r: DecoderLM(self.model_cfg, r), tx, self.mesh, self.rules, cfg.seed)
+    self.fns = StepFunctions(self.graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules)
+    self.rows_multiple = rows_multiple(self.mesh, self.rules)
+    if cfg.micro_batch_size % self.rows_multiple:
+      raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
+                       f"the mesh's {self.rows_multiple} batch shards")
+    self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
+    if not resume and (self.ckpt.latest_step() is not None
+                       or os.path.exists(os.path.join(self.workdir, "store"))):
+      raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
+                       "--overwrite to start over, or another --workdir")
+    self.progress = {"consumed": [], "next_group": 0, "steps": 0, "position": None}
+    if resume:
+      restored = self.ckpt.restore(abstract_state(self.state, shardings))
+      if restored is None:
+        print(f"--resume: no checkpoint in {self.ckpt.directory}; starting fresh")
+      else:
+        self.state, self.progress = restored
+    self.store_url = cfg.store_url or "file://" + os.path.join(self.workdir, "store")
+    self.store = TrajectoryStore.create(self.store_url, StoreSchema(
+        sources=tasks.SOURCES, max_prompt_len=PROMPT_LEN,
+        max_response_len=self.sampler_cfg.max_new_tokens))
+    policy = cfg.policy if cfg.mode == "disaggregated" else "train_batch"
+    self.policy = make_policy(policy, spec)
+    self.quotas = _Quotas(spec, cfg.seed + self.progress["next_group"])
+    self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.version)
+    self.consumed = set(self.progress["consumed"])
+    self.seen_groups = {int(g) for g in self.progress.get("consumed_groups", [])}
+    self.next_group = self.progress["next_group"]
+    self.consumed_groups = set(self.seen_groups)
+    if self.progress.get("position"):
+      self.policy.restore_position(self.progress["position"])
+    self.publisher = WeightPublisher(self.workdir)
+    self.exposed_wait_s = 0.0
+
+  @property
+  def version(self) -> int:
+    return int(jax.device_get(self.state.version))
+
+  # -- training one admitted mini-batch ---------------------------------------
+  def train(self, mb) -> None:
+    cfg = self.cfg
+    metas = [m for grp in mb.groups for m in grp.metas]
+    if any(m.id in self.consumed for m in metas):
+      raise RuntimeError(f"mini-batch {mb.train_batch}.{mb.index} would train a trajectory twice")
+    plan = plan_micro_batches(mb, 1, cfg.micro_batch_size)
+    micros = plan.consumers[0]
+    adv = group_advantages_by_id(mb.groups, self.loss_cfg.normalize_adv_std)
+    total = sum(m.response_len for m in metas)  # every response token trains (tasks' mask)
+    v_consume = self.version
+    acc = self.fns.zero_grads(self.state.params)
+    pending = self.store.read(micros[0])
+    sums = collections.Counter()
+    for k in range(len(micros)):
+      t0 = time.perf_counter()
+      payload = pending.result()
+      self.exposed_wait_s += time.perf_counter() - t0
+      if k + 1 < len(micros):
+        pending = self.store.read(micros[k + 1])  # prefetch while this one computes
+      batch = build_batch(payload, adv, cfg.seq_len, cfg.micro_batch_size)
+      if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
+        raise RuntimeError("loss mask disagrees with the response lengths")
+      check_batch(batch, self.model_cfg.vocab_size, self.rows_multiple)
+      grads, s = self.fns.grad_step(self.state, batch, total)
+      acc = self.fns.accumulate(acc, grads)
+      sums.update({key: float(v) for key, v in jax.device_get(s).items()})
+    self.state, m = self.fns.apply_step(self.state, acc)
+    self.consumed.update(m_.id for m_ in metas)
+    self.consumed_groups.update(grp.group_id for grp in mb.groups)
+    self.log.step(mb, metas, v_consume, sums, float(jax.device_get(m["grad_norm"])))
+
+  def save(self, force=False):
+    self.progress = {"consumed": sorted(self.consumed), "consumed_groups": sorted(
+                         str(g) for g in self.consumed_groups), "next_group": self.next_group,
+                     "steps": self.version, "position": self.policy.position()}
+    self.ckpt.save(self.state, self.progress, force=force)
+
+  # -- the two modes ------------------------------------------------------------
+  def run(self) -> dict:
+    t0 = time.perf_counter()
+    target = self.cfg.train_batches * self.cfg.spec.num_mini_batches
+    self.bar = tqdm(total=target, initial=min(self.version, target), desc=self.cfg.mode,
+                    unit="step", dynamic_ncols=True, mininterval=0.5)
+    self._feed_unconsumed()
+    try:
+      if self.cfg.mode == "colocated":
+        self._colocated(target)
+      else:
+        self._disaggregated(target)
+    except KeyboardInterrupt:
+      print("\ninterrupted: saving a checkpoint; resume with --resume")
+    finally:
+      self.bar.close()
+      self.save(force=True)
+      self.ckpt.wait()
+      self.ckpt.close()
+    summary = self.log.summary(wall_s=time.perf_counter() - t0,
+                               exposed_data_wait_s=self.exposed_wait_s, mode=self.cfg.mode,
+                               policy=self.policy.name)
+    with open(os.path.join(self.workdir, "summary.json"), "w") as f:
+      json.dump(summary, f, indent=1)
+    gin_cli.save_operative_config(self.workdir)
+    return summary
+
+  def _feed_unconsumed(self):
+    """On resume: committed groups that were not trained go back to admission, so
+    nothing committed is skipped (and consumed ones are never fed again)."""
+    groups = collections.defaultdict(list)
+    for unit in self.store.units():
+      for m in self.store.list_committed(unit):
+        if m.id not in self.consumed:
+          groups[m.group_id].append(m)
+    complete = [sorted(ms, key=lambda m: m.index_in_group) for ms in groups.values()
+                if len(ms) == self.cfg.spec.group_size]
+    for metas in sorted(complete, key=lambda ms: ms[0].group_id):
+      self.policy.dispatched(metas[0].source)
+      self._finished(metas)
+    self.resumed_groups = len(complete)
+
+  def _after_step(self):
+    self.bar.update(1)
+    self.bar.set_postfix(self.log.postfix(), refresh=False)
+
+  def _colocated(self, target):
+    spec, n = self.cfg.spec, self.cfg.spec.group_size
+    writer = self.store.writer("colocated")
+    while self.version < target:
+      # Train batch k is groups k*G .. k*G + G-1 with fixed sources, so a resumed run
+      # regenerates exactly the groups an uninterrupted run would have had.
+      k, G = self.policy.train_batch, spec.groups_per_batch
+      sources = ([s for s, q in sorted(spec.source_quota.items()) for _ in range(q)]
+                 if spec.source_quota else [tasks.SOURCES[p % len(tasks.SOURCES)] for p in range(G)])
+      requests = [(k * G + p, s) for p, s in enumerate(sources) if k * G + p not in self.seen_groups]
+      self.next_group = max(self.next_group, (k + 1) * G)
+      for s in {s for _, s in requests}:
+        self.policy.dispatched(s, sum(src == s for _, src in requests))
+      for lo in range(0, len(requests), 16):
+        chunk = requests[lo:lo + 16]
+        for trajs in rollout_groups(self.graphdef, self.state.params, self.version, self.cfg.seed,
+                                    chunk, n, self.sampler_cfg):
+          self._finished(writer.append(trajs))
+      while (mb := self.policy.admit(self.version)) is not None:
+        self.train(mb)
+        self._after_step()
+        self.save()
+
+  def _finished(self, metas):
+    self.seen_groups.add(metas[0].group_id)
+    self.policy.finished(GroupInfo(
+        group_id=metas[0].group_id, source=metas[0].source, num_tokens=sum(m.length for m in metas),
+        version=min(m.version_first for m in metas), rewards=tuple(m.reward for m in metas),
+        metas=tuple(metas)))
+
+  def _disaggregated(self, target):
+    cfg, spec = self.cfg, self.cfg.spec
+    self.publisher.publish(self.version, self.state.params)
+    ctx = mp.get_context("spawn")
+    reports, stop = ctx.Queue(), ctx.Event()
+    workers, requests = {}, {}
+    assigned: dict[int, tuple[int, str]] = {}  # group id -> (worker, source)
+
+    def start(w):
+      requests[w] = ctx.Queue()
+      p = ctx.Process(target=worker_main, daemon=True, args=(
+          w, self.workdir, self.store_url, cfg.seed, spec.group_size, self.model_cfg,
+          self.sampler_cfg, requests[w], reports, stop))
+      p.start()
+      workers[w] = p
+
+    for w in range(cfg.workers):
+      start(w)
+    replace = collections.deque()
+    in_window, dropped_seen = self.resumed_groups, len(self.policy.dropped)
+    self.restarts = 0
+    try:
+      while self.version < target:
+        # Dispatch up to the window; dropped or failed groups are replaced first.
+        while in_window < cfg.groups_in_flight:
+          gid = self.next_group
+          self.next_group += 1
+          source = replace.popleft() if replace else self.quotas.next()
+          w = min(workers, key=lambda w: sum(a == w for a, _ in assigned.values()))
+          requests[w].put((gid, source))
+          assigned[gid] = (w, source)
+          self.policy.dispatched(source)
+          in_window += 1
+        # Reports: block briefly only when there is nothing to train.
+        try:
+          msg = reports.get(timeout=0.05)
+        except queue.Empty:
+          msg = None
+        while msg is not None:
+          if msg[0] == "done":
+            _, w, gid, metas = msg
+            if assigned.pop(gid, None) is not None:
+              self._finished(metas)
+          else:
+            print(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
+          try:
+            msg = reports.get_nowait()
+          except queue.Empty:
+            msg = None
+        in_window -= self._recover_dead_workers(workers, assigned, replace, start)
+        while (mb := self.policy.admit(self.version)) is not None:
+          self.train(mb)
+          in_window -= len(mb.groups)
+          self.publisher.publish(self.version, self.state.params)
+          self._after_step()
+          self.save()
+          if self.version >= target:
+            break
+        for grp, why in self.policy.dropped[dropped_seen:]:
+          replace.append(grp.source)
+          in_window -= 1
+        dropped_seen = len(self.policy.dropped)
+    finally:
+      stop.set()
+      for w in workers:
+        requests[w].put(None)
+      for p in workers.values():
+        p.join(timeout=10)
+        if p.is_alive():
+          p.terminate()
+
+  def _recover_dead_workers(self, workers, assigned, replace, start) -> int:
+    """Restarts dead workers. Their committed groups count as finished; the rest of
+    what they held is reported failed (and re-dispatched). Returns groups failed."""
+    failed = 0
+    for w, p in list(workers.items()):
+      if p.is_alive():
+        continue
+      print(f"\nrollout worker {w} died (exit code {p.exitcode}); restarting it")
+      self.restarts += 1
+      held = {gid: s for gid, (ww, s) in assigned.items() if ww == w}
+      unit = f"worker{w}"
+      committed = collections.defaultdict(list)
+      if unit in self.store.units():
+        for m in self.store.list_committed(unit):
+          if m.group_id in held:
+            committed[m.group_id].append(m)
+      for gid, source in held.items():
+        del assigned[gid]
+        if len(committed[gid]) == self.cfg.spec.group_size:
+          self._finished(sorted(committed[gid], key=lambda m: m.index_in_group))
+        else:
+          self.policy.failed(source)
+          replace.append(source)
+          failed += 1
+      start(w)
+    return failed
+
+
+def run(workdir: str, resume: bool = False) -> dict:
+  return Job(workdir, resume).run()

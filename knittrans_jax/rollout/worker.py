@@ -1,0 +1,62 @@
+"""A rollout worker process: prompts in, trajectories to its own storage unit,
+metadata out. Picks up the newest published weights before each group.
+
+Messages: requests are (group_id, source); reports are ("done", worker, group_id,
+[TrajMeta]) or ("error", worker, message). A None request stops the worker.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import traceback
+
+
+def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
+                model_config, sampler_config, requests, reports, stop,
+                max_groups_per_call: int = 4) -> None:
+  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  os.environ["XLA_FLAGS"] = ""  # one device per worker
+  from flax import nnx
+
+  from knittrans_jax.models import DecoderLM
+  from knittrans_jax.rollout.groups import rollout_groups
+  from knittrans_jax.rollout.weights import WeightSubscriber
+  from knittrans_jax.storage import TrajectoryStore
+
+  try:
+    with nnx.use_eager_sharding(False):
+      model = DecoderLM(model_config, nnx.Rngs(0))
+    graphdef, template = nnx.split(model, nnx.Param)
+    weights = WeightSubscriber(workdir, template)
+    writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
+    params, version = None, -1
+    while not stop.is_set():
+      try:
+        req = requests.get(timeout=0.2)
+      except queue.Empty:
+        continue
+      if req is None:
+        break
+      batch = [req]
+      while len(batch) < max_groups_per_call:  # take what is queued, without waiting
+        try:
+          more = requests.get_nowait()
+        except queue.Empty:
+          break
+        if more is None:
+          stop.set()
+          break
+        batch.append(more)
+      update = weights.poll()  # sync point: between sampler calls
+      if update is not None:
+        version, params = update
+      if params is None:
+        raise RuntimeError("no published weights to generate with")
+      for trajs in rollout_groups(graphdef, params, version, seed, batch, n, sampler_config):
+        metas = writer.append(trajs)  # committed before it is reported
+        reports.put(("done", worker_id, trajs[0].group_id, metas))
+  except Exception:  # reported, then the process exits non-zero
+    reports.put(("error", worker_id, traceback.format_exc()))
+    raise

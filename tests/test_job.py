@@ -1,0 +1,127 @@
+"""The training job end to end: both modes, a worker killed mid-run, SIGINT + resume."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from knittrans_jax.storage import TrajectoryStore
+
+pytestmark = pytest.mark.slow
+
+
+def start(workdir, *bindings, resume=False):
+  cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_test.gin",
+         "--workdir", str(workdir)]
+  for b in bindings:
+    cmd += ["--gin_bindings", b]
+  if resume:
+    cmd.append("--resume")
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(proc, timeout=600):
+  out, _ = proc.communicate(timeout=timeout)
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def records(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def wait_for_steps(workdir, steps, proc, timeout=300):
+  deadline = time.time() + timeout
+  while time.time() < deadline:
+    if proc.poll() is not None:
+      pytest.fail(f"the job ended early:\n{proc.stdout.read()[-3000:]}")
+    try:
+      if len(records(workdir)) >= steps:
+        return
+    except (FileNotFoundError, json.JSONDecodeError):
+      pass
+    time.sleep(0.2)
+  pytest.fail(f"fewer than {steps} steps after {timeout} s")
+
+
+def check_trained(workdir, expected_steps):
+  summary = json.load(open(os.path.join(workdir, "summary.json")))
+  recs = records(workdir)
+  ids = [i for r in recs for i in r["ids"]]
+  assert summary["steps"] == expected_steps == len(recs)
+  assert len(ids) == len(set(ids)), "a trajectory was trained twice"
+  assert summary["trajectories"] == len(ids) == expected_steps * 16
+  committed = {m.id for m in TrajectoryStore.open(
+      "file://" + os.path.join(os.path.abspath(workdir), "store")).list_committed()}
+  assert set(ids) <= committed, "trained something that was never committed"
+  assert summary["quota_violations"] == 0
+  for key in ("reward_first", "reward_last", "arch_staleness_mean", "arch_staleness_p99",
+              "wall_s", "exposed_data_wait_s"):
+    assert summary[key] is not None, key
+  assert os.path.exists(os.path.join(workdir, "operative_config.gin"))
+  return summary, recs
+
+
+@pytest.mark.parametrize("mode,policy", [("disaggregated", "constraint_preserving"),
+                                         ("colocated", "train_batch")])
+def test_end_to_end(tmp_path, mode, policy):
+  work = tmp_path / "run"
+  finish(start(work, f"JobConfig.mode = '{mode}'", f"JobConfig.policy = '{policy}'"))
+  summary, recs = check_trained(work, 6)
+  assert summary["mode"] == mode and summary["policy"] == policy
+  if mode == "colocated":
+    assert summary["arch_staleness_mean"] == 0 and all(a == 0 for r in recs for a in r["arch"])
+
+
+def test_worker_killed_mid_run(tmp_path):
+  work = tmp_path / "run"
+  proc = start(work, "JobConfig.train_batches = 6")
+  wait_for_steps(work, 3, proc)
+  workers = [c for c in psutil.Process(proc.pid).children()
+             if "spawn_main" in " ".join(c.cmdline())]
+  assert len(workers) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]
+  workers[0].send_signal(signal.SIGKILL)
+  out = finish(proc)
+  assert "died" in out and "restarting" in out
+  check_trained(work, 12)
+  # The killed worker's unit is intact and readable.
+  store = TrajectoryStore.open("file://" + str(work / "store"))
+  for unit in store.units():
+    metas = store.list_committed(unit)
+    store.read(metas).result()
+
+
+def test_sigint_then_resume_trains_the_same_set(tmp_path):
+  straight = tmp_path / "straight"
+  finish(start(straight, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 4"))
+  _, recs = check_trained(straight, 8)
+  want = sorted(i for r in recs for i in r["ids"])
+
+  work = tmp_path / "interrupted"
+  proc = start(work, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 4")
+  wait_for_steps(work, 3, proc)
+  proc.send_signal(signal.SIGINT)
+  out = finish(proc)
+  assert "interrupted" in out
+  done = len(records(work))
+  assert 3 <= done < 8
+  finish(start(work, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 4", resume=True))
+  _, recs = check_trained(work, 8)
+  got = sorted(i for r in recs for i in r["ids"])
+  # The same groups train, none twice (each group's 4 trajectories train together).
+  trained_groups = lambda rs: sorted(g for r in rs for g in r["groups"])
+  assert trained_groups(recs) == trained_groups(records(straight))
+  assert len(got) == len(set(got)) == len(want)
+
+
+def test_refuses_to_mix_runs(tmp_path):
+  work = tmp_path / "run"
+  finish(start(work, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 1"))
+  proc = start(work, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 1")
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "holds a previous run" in out
