@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # Real sharding on CPU: 8 host devices in every test process.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench store-demo clean
 
 install: $(STAMP)
 
@@ -19,6 +19,9 @@ $(STAMP): requirements.txt pyproject.toml
 
 run: install
 	JAX_PLATFORMS=cpu $(PY) scripts/train.py --gin_file configs/text_grpo_tiny.gin --workdir runs/text_grpo_tiny --overwrite
+
+store-demo: install
+	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
 
 test: install
 	$(TEST_ENV) $(PY) -m pytest -q tests

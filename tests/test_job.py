@@ -64,6 +64,7 @@ def check_trained(workdir, expected_steps):
               "wall_s", "exposed_data_wait_s"):
     assert summary[key] is not None, key
   assert os.path.exists(os.path.join(workdir, "operative_config.gin"))
+  assert any(f.startswith("events.out.tfevents") for f in os.listdir(os.path.join(workdir, "tensorboard")))
   return summary, recs
 
 

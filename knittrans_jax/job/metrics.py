@@ -7,6 +7,7 @@ import os
 import time
 
 import numpy as np
+from tensorboardX import SummaryWriter
 
 from knittrans_jax.admission import TrainBatchSpec
 
@@ -31,6 +32,7 @@ class MetricsLog:
       self.batch_counts[r["train_batch"]].update(r["source_counts"])
     self.t0 = time.perf_counter()
     self.trajectories = sum(r["trajectories"] for r in self.records)
+    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float) -> None:
     arch = [v_consume - m.version_first - mb.index for m in metas]
@@ -55,6 +57,11 @@ class MetricsLog:
     self.records.append(rec)
     with open(self.path, "a") as f:
       f.write(json.dumps(rec) + "\n")
+    for key in ("reward", "loss", "entropy", "clip_frac", "grad_norm", "arch_staleness_mean",
+                "response_len"):
+      self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
+    for source, r in rec["reward_by_source"].items():
+      self.tb.add_scalar(f"reward/{source}", r, rec["step"])
 
   def postfix(self) -> dict:
     r = self.records[-1]
@@ -71,6 +78,9 @@ class MetricsLog:
           counts.get(s, 0) != q for s, q in self.spec.source_quota.items()):
         bad += 1
     return bad
+
+  def close(self) -> None:
+    self.tb.close()
 
   def summary(self, **extra) -> dict:
     steps = len(self.records)

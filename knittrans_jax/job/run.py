@@ -172,6 +172,7 @@ class Job:
       self.save(force=True)
       self.ckpt.wait()
       self.ckpt.close()
+    self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
                                exposed_data_wait_s=self.exposed_wait_s, mode=self.cfg.mode,
                                policy=self.policy.name)
