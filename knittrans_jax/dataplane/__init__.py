@@ -1,4 +1,6 @@
-"""The data plane: consumer assignment (metadata only); readers come with issue 7."""
+"""The data plane: consumer assignment (metadata only) and on-demand prefetching reads."""
 from knittrans_jax.dataplane.assignment import MicroBatchPlan, plan_micro_batches
+from knittrans_jax.dataplane.reader import DataReadError, PrefetchingReader, ReaderStats
 
-__all__ = ["MicroBatchPlan", "plan_micro_batches"]
+__all__ = ["DataReadError", "MicroBatchPlan", "PrefetchingReader", "ReaderStats",
+           "plan_micro_batches"]

@@ -28,6 +28,7 @@ class JobConfig:
   seed: int = 0
   store_url: str | None = None
   log_every: int = 1
+  prefetch_depth: int = 2  # micro-batches read ahead of the step
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from knittrans_jax import gin_cli
 from knittrans_jax.admission import GroupInfo, make_policy
-from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.dataplane import PrefetchingReader, plan_micro_batches
 from knittrans_jax.job.batching import build_batch, group_advantages_by_id
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.metrics import MetricsLog
@@ -37,7 +37,7 @@ from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, OptimizerConfig,
                                  StepFunctions, abstract_state, check_batch, init_train_state,
                                  make_mesh, make_optimizer)
-from knittrans_jax.train.batch import rows_multiple
+from knittrans_jax.train.batch import batch_shardings, put_batch, rows_multiple
 
 
 class _Quotas:
@@ -110,6 +110,8 @@ class Job:
       self.policy.restore_position(self.progress["position"])
     self.publisher = WeightPublisher(self.workdir)
     self.exposed_wait_s = 0.0
+    self.raw_transfer_s = 0.0
+    self._batch_sh = None
 
   @property
   def version(self) -> int:
@@ -127,21 +129,28 @@ class Job:
     total = sum(m.response_len for m in metas)  # every response token trains (tasks' mask)
     v_consume = self.version
     acc = self.fns.zero_grads(self.state.params)
-    pending = self.store.read(micros[0])
     sums = collections.Counter()
-    for k in range(len(micros)):
-      t0 = time.perf_counter()
-      payload = pending.result()
-      self.exposed_wait_s += time.perf_counter() - t0
-      if k + 1 < len(micros):
-        pending = self.store.read(micros[k + 1])  # prefetch while this one computes
+
+    def prepare(payload):
       batch = build_batch(payload, adv, cfg.seq_len, cfg.micro_batch_size)
       if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
         raise RuntimeError("loss mask disagrees with the response lengths")
       check_batch(batch, self.model_cfg.vocab_size, self.rows_multiple)
-      grads, s = self.fns.grad_step(self.state, batch, total)
-      acc = self.fns.accumulate(acc, grads)
-      sums.update({key: float(v) for key, v in jax.device_get(s).items()})
+      return batch
+
+    def put(batch):  # onto the devices with the step's sharding, ahead of use
+      if self._batch_sh is None:
+        self._batch_sh = batch_shardings(self.mesh, self.rules, batch)
+      return put_batch(batch, self._batch_sh)
+
+    # On-demand: this consumer reads only its micro-batches, prefetching ahead.
+    with PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put) as reader:
+      for batch in reader:
+        grads, s = self.fns.grad_step(self.state, batch, total)
+        acc = self.fns.accumulate(acc, grads)
+        sums.update({key: float(v) for key, v in jax.device_get(s).items()})
+    self.exposed_wait_s += reader.stats.exposed_wait_s
+    self.raw_transfer_s += reader.stats.raw_transfer_s
     self.state, m = self.fns.apply_step(self.state, acc)
     self.consumed.update(m_.id for m_ in metas)
     self.consumed_groups.update(grp.group_id for grp in mb.groups)
@@ -174,7 +183,8 @@ class Job:
       self.ckpt.close()
     self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
-                               exposed_data_wait_s=self.exposed_wait_s, mode=self.cfg.mode,
+                               exposed_data_wait_s=self.exposed_wait_s,
+                               raw_transfer_s=self.raw_transfer_s, mode=self.cfg.mode,
                                policy=self.policy.name)
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)

@@ -7,7 +7,7 @@ kvstore can overlap them. `.result()` waits, checks what came back, and slices.
 from __future__ import annotations
 
 import itertools
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -38,7 +38,8 @@ def _runs(order: list[int], metas: Sequence[TrajMeta]) -> list[list[int]]:
 class ReadFuture:
   """Reads in flight; `result()` returns a `Payload` in the order asked for."""
 
-  def __init__(self, metas: Sequence[TrajMeta], reader_of: Callable[[str], UnitReader]):
+  def __init__(self, metas: Sequence[TrajMeta], reader_of: Callable[[str], UnitReader],
+               skip_images: Collection[str] = ()):
     self._metas = list(metas)
     order = sorted(range(len(metas)), key=lambda i: (metas[i].unit, metas[i].token_start))
     self._runs = _runs(order, self._metas)
@@ -53,7 +54,7 @@ class ReadFuture:
         self._futures.append((first.unit, run, futs))
       for m in self._metas:
         for iid in m.image_ids:
-          if iid in self._image_futures:
+          if iid in self._image_futures or iid in skip_images:
             continue  # each image read once, however many trajectories share it
           reader = reader_of(m.unit)
           try:

@@ -93,9 +93,10 @@ class TrajectoryStore:
     units = [unit] if unit is not None else self.units()
     return [m for u in units for m in self.reader(u).list()]
 
-  def read(self, metas: Sequence[TrajMeta]) -> ReadFuture:
-    """Starts reading the payloads of `metas`; returns at once."""
-    return ReadFuture(metas, self.reader)
+  def read(self, metas: Sequence[TrajMeta], skip_images=()) -> ReadFuture:
+    """Starts reading the payloads of `metas`; returns at once. Images whose ids are
+    in `skip_images` (already held by the caller) are not read."""
+    return ReadFuture(metas, self.reader, skip_images)
 
   def watch(self) -> "StoreWatcher":
     return StoreWatcher(self)

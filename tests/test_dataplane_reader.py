@@ -1,0 +1,98 @@
+"""The on-demand prefetching reader: same data at any depth, rows and images read
+once per consumer, errors surface where the data is needed, clean shutdown."""
+import dataclasses
+import os
+
+import numpy as np
+import pytest
+from store_helpers import SOURCES, group
+
+from knittrans_jax.dataplane import DataReadError, PrefetchingReader
+from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
+
+N = 4
+
+
+@pytest.fixture
+def store(tmp_path):
+  st = TrajectoryStore.create(f"file://{tmp_path}/s", StoreSchema(
+      sources=SOURCES, max_response_len=512, token_chunk=512, row_chunk=16))
+  rng = np.random.default_rng(0)
+  images = [rng.random((16, 16, 3), dtype=np.float32) for _ in range(6)]
+  for u in range(2):
+    w = st.writer(f"u{u}")
+    for g in range(6):
+      gid = 100 * u + g
+      img = images[(gid * 7) % 6]
+      w.append([dataclasses.replace(t, image_ids=(image_id(img),)) for t in group(1, gid, N)],
+               images=[img])
+  return st
+
+
+def plan_of(store, micro=5):
+  metas = store.list_committed()
+  order = np.random.default_rng(3).permutation(len(metas))
+  metas = [metas[i] for i in order]
+  return [metas[k:k + micro] for k in range(0, len(metas), micro)]
+
+
+def flat(payload):
+  return ([m.id for m in payload.metas], [t.copy() for t in payload.tokens],
+          [lp.copy() for lp in payload.logprobs], {k: v.copy() for k, v in payload.images.items()})
+
+
+def test_same_data_at_every_depth_and_as_a_direct_read(store):
+  plan = plan_of(store)
+  direct = [flat(store.read(mb).result()) for mb in plan]
+  for depth in (1, 2, 4):
+    with PrefetchingReader(store, plan, flat, depth=depth) as reader:
+      got = list(reader)
+    assert len(got) == len(direct)
+    for a, b in zip(got, direct):
+      assert a[0] == b[0]
+      for x, y in zip(a[1] + a[2], b[1] + b[2]):
+        np.testing.assert_array_equal(x, y)
+      assert a[3].keys() == b[3].keys()
+      for k in a[3]:
+        np.testing.assert_array_equal(a[3][k], b[3][k])
+    assert reader.stats.micro_batches == len(plan) and reader.stats.exposed_wait_s >= 0
+
+
+def test_rows_once_and_images_once_per_consumer(store):
+  plan = plan_of(store)
+  with PrefetchingReader(store, plan, lambda p: p) as reader:
+    list(reader)
+  rows = [m.id for mb in plan for m in mb]
+  assert set(reader.stats.rows_read) == set(rows) and max(reader.stats.rows_read.values()) == 1
+  images = {i for mb in plan for m in mb for i in m.image_ids}
+  assert set(reader.stats.images_read) == images
+  assert max(reader.stats.images_read.values()) == 1  # reused across micro-batches
+  seq = sum(m.length * 9 for mb in plan for m in mb)
+  assert reader.stats.bytes_read == seq + len(images) * 16 * 16 * 3 * 4
+
+
+def test_read_error_surfaces_at_its_micro_batch_and_the_reader_stops(store, tmp_path):
+  plan = plan_of(store)
+  bad = next(k for k, mb in enumerate(plan) if k >= 2 and any(m.unit == "u1" for m in mb))
+  for k in range(bad):  # keep earlier micro-batches readable: only u1 breaks
+    plan[k] = [m for m in plan[k] if m.unit == "u0"] or plan[k][:0]
+  plan = [mb for mb in plan if mb]
+  bad = next(k for k, mb in enumerate(plan) if any(m.unit == "u1" for m in mb))
+  os.remove(tmp_path / "s" / "u1" / "tokens" / "c" / "0")
+  reader = PrefetchingReader(TrajectoryStore.open(store.url), plan, lambda p: p, depth=2)
+  for _ in range(bad):
+    next(reader)
+  with pytest.raises(DataReadError, match=rf"micro-batch {bad} \(units \[.*'u1'.*\], rows"):
+    next(reader)
+  reader.close()
+  assert not reader._thread.is_alive()
+
+
+def test_close_midway_stops_the_thread(store):
+  plan = plan_of(store, micro=2)
+  reader = PrefetchingReader(store, plan, lambda p: p, depth=1)
+  next(reader)
+  reader.close()
+  assert not reader._thread.is_alive()
+  with pytest.raises(ValueError, match="depth"):
+    PrefetchingReader(store, plan, lambda p: p, depth=0)
