@@ -76,3 +76,18 @@ def test_bench_train_step_writes_its_json(tmp_path):
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())["layouts"]["dp"]
   assert r["tokens_per_s"] > 0 and r["grad_step_tokens_per_s"] > 0 and r["mesh"] == {"data": 8}
+
+
+@pytest.mark.slow
+def test_bench_transfer_writes_its_json(tmp_path):
+  out = tmp_path / "transfer.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_transfer.py", "--workload", "vlm",
+                         "--json", str(out), "--prompts", "4", "--mini_batches", "1", "--micro", "8",
+                         "--seq", "32"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  for key in ("exposed_s", "raw_transfer_s"):
+    assert r["baseline"][key] > 0 and r["ondemand"][key] >= 0
+  assert r["bytes_moved"]["baseline"] > r["bytes_moved"]["ondemand"] > 0
+  assert r["exposed_ratio"] > 0 and r["raw_ratio"] > 0
+  assert r["trajectories"] == 32

@@ -13,6 +13,7 @@ import json
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 
 import jax
@@ -169,14 +170,22 @@ class Job:
     self.bar = tqdm(total=target, initial=min(self.version, target), desc=self.cfg.mode,
                     unit="step", dynamic_ncols=True, mininterval=0.5)
     self._feed_unconsumed()
+    # Ctrl-C only sets a flag: the loops stop at the next step boundary, so a step is
+    # never half recorded (state advanced but its trajectories not marked consumed).
+    self.stop_requested = False
+
+    def on_sigint(signum, frame):
+      self.stop_requested = True
+    previous = signal.signal(signal.SIGINT, on_sigint)
     try:
       if self.cfg.mode == "colocated":
         self._colocated(target)
       else:
         self._disaggregated(target)
-    except KeyboardInterrupt:
-      print("\ninterrupted: saving a checkpoint; resume with --resume")
+      if self.stop_requested:
+        print("\ninterrupted: saving a checkpoint; resume with --resume")
     finally:
+      signal.signal(signal.SIGINT, previous)
       self.bar.close()
       self.save(force=True)
       self.ckpt.wait()
@@ -213,7 +222,7 @@ class Job:
   def _colocated(self, target):
     spec, n = self.cfg.spec, self.cfg.spec.group_size
     writer = self.store.writer("colocated")
-    while self.version < target:
+    while self.version < target and not self.stop_requested:
       # Train batch k is groups k*G .. k*G + G-1 with fixed sources, so a resumed run
       # regenerates exactly the groups an uninterrupted run would have had.
       k, G = self.policy.train_batch, spec.groups_per_batch
@@ -228,7 +237,7 @@ class Job:
         for trajs in rollout_groups(self.graphdef, self.state.params, self.version, self.cfg.seed,
                                     chunk, n, self.sampler_cfg):
           self._finished(writer.append(trajs))
-      while (mb := self.policy.admit(self.version)) is not None:
+      while not self.stop_requested and (mb := self.policy.admit(self.version)) is not None:
         self.train(mb)
         self._after_step()
         self.save()
@@ -262,7 +271,7 @@ class Job:
     in_window, dropped_seen = self.resumed_groups, len(self.policy.dropped)
     self.restarts = 0
     try:
-      while self.version < target:
+      while self.version < target and not self.stop_requested:
         # Dispatch up to the window; dropped or failed groups are replaced first.
         while in_window < cfg.groups_in_flight:
           gid = self.next_group
@@ -296,7 +305,7 @@ class Job:
           self.publisher.publish(self.version, self.state.params)
           self._after_step()
           self.save()
-          if self.version >= target:
+          if self.version >= target or self.stop_requested:
             break
         for grp, why in self.policy.dropped[dropped_seen:]:
           replace.append(grp.source)
