@@ -154,6 +154,7 @@ def consumer(rank, store_url, plan, seq, depth, conn, results, go, ready):
         for batch in reader:
           compute(batch)
       results.put((mode, rank, {"exposed_s": reader.stats.exposed_wait_s,
+                                "first_wait_s": reader.stats.waits[0],
                                 "raw_transfer_s": reader.stats.raw_transfer_s,
                                 "bytes": reader.stats.bytes_read,
                                 "total_s": time.perf_counter() - t0}))

@@ -60,8 +60,11 @@ def test_same_data_at_every_depth_and_as_a_direct_read(store):
 
 def test_rows_once_and_images_once_per_consumer(store):
   plan = plan_of(store)
-  with PrefetchingReader(store, plan, lambda p: p) as reader:
+  with PrefetchingReader(store, plan, lambda p: p, unit_host={"u0": "a", "u1": "b"},
+                         host="a") as reader:
     list(reader)
+  local = sum(m.length * 9 for mb in plan for m in mb if m.unit == "u0")
+  assert reader.stats.bytes_local == local  # rows of units on this consumer's host
   rows = [m.id for mb in plan for m in mb]
   assert set(reader.stats.rows_read) == set(rows) and max(reader.stats.rows_read.values()) == 1
   images = {i for mb in plan for m in mb for i in m.image_ids}

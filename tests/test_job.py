@@ -68,11 +68,13 @@ def check_trained(workdir, expected_steps):
   return summary, recs
 
 
-@pytest.mark.parametrize("mode,policy", [("disaggregated", "constraint_preserving"),
-                                         ("colocated", "train_batch")])
-def test_end_to_end(tmp_path, mode, policy):
+@pytest.mark.parametrize("mode,policy,data_path", [
+    ("disaggregated", "constraint_preserving", "ondemand"),
+    ("colocated", "train_batch", "centralized")])
+def test_end_to_end(tmp_path, mode, policy, data_path):
   work = tmp_path / "run"
-  finish(start(work, f"JobConfig.mode = '{mode}'", f"JobConfig.policy = '{policy}'"))
+  finish(start(work, f"JobConfig.mode = '{mode}'", f"JobConfig.policy = '{policy}'",
+               f"JobConfig.data_path = '{data_path}'"))
   summary, recs = check_trained(work, 6)
   assert summary["mode"] == mode and summary["policy"] == policy
   # The trainer reads through the on-demand PrefetchingReader: its timings are reported.

@@ -33,6 +33,7 @@ class ReaderStats:
   bytes_read: int = 0
   bytes_local: int = 0  # from units on this consumer's host (when hosts are known)
   micro_batches: int = 0
+  waits: list = dataclasses.field(default_factory=list)  # exposed wait per micro-batch
   rows_read: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   images_read: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
@@ -108,7 +109,9 @@ class PrefetchingReader:
       raise StopIteration
     t0 = time.perf_counter()
     item = self._queue.get()
-    self.stats.exposed_wait_s += time.perf_counter() - t0
+    waited = time.perf_counter() - t0
+    self.stats.exposed_wait_s += waited
+    self.stats.waits.append(waited)
     if isinstance(item, Exception):
       self.close()
       raise item

@@ -29,6 +29,7 @@ class JobConfig:
   store_url: str | None = None
   log_every: int = 1
   prefetch_depth: int = 2  # micro-batches read ahead of the step
+  data_path: str = "ondemand"  # or 'centralized' (the baseline)
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -40,6 +41,8 @@ class JobConfig:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
                        f"the mini-batch's {rows} trajectories (g = {spec.mini_batch_groups} x "
                        f"n = {spec.group_size})")
+    if self.data_path not in ("ondemand", "centralized"):
+      raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
     if self.mode == "disaggregated" and self.workers <= 0:
       raise ValueError(f"JobConfig.workers = {self.workers} must be positive")
 

@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import threading
 import time
 
 import jax
@@ -22,7 +23,7 @@ from tqdm import tqdm
 
 from knittrans_jax import gin_cli
 from knittrans_jax.admission import GroupInfo, make_policy
-from knittrans_jax.dataplane import PrefetchingReader, plan_micro_batches
+from knittrans_jax.dataplane import PrefetchingReader, centralized, plan_micro_batches
 from knittrans_jax.job.batching import build_batch, group_advantages_by_id
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.metrics import MetricsLog
@@ -144,18 +145,43 @@ class Job:
         self._batch_sh = batch_shardings(self.mesh, self.rules, batch)
       return put_batch(batch, self._batch_sh)
 
-    # On-demand: this consumer reads only its micro-batches, prefetching ahead.
-    with PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put) as reader:
-      for batch in reader:
+    if cfg.data_path == "centralized":
+      batches, waited = self._centralized(micros, prepare, put)
+      self.exposed_wait_s += waited
+      self.raw_transfer_s += waited  # nothing overlaps compute
+    else:
+      # On-demand: this consumer reads only its micro-batches, prefetching ahead.
+      batches = PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put)
+    try:
+      for batch in batches:
         grads, s = self.fns.grad_step(self.state, batch, total)
         acc = self.fns.accumulate(acc, grads)
         sums.update({key: float(v) for key, v in jax.device_get(s).items()})
-    self.exposed_wait_s += reader.stats.exposed_wait_s
-    self.raw_transfer_s += reader.stats.raw_transfer_s
+    finally:
+      if isinstance(batches, PrefetchingReader):
+        batches.close()
+        self.exposed_wait_s += batches.stats.exposed_wait_s
+        self.raw_transfer_s += batches.stats.raw_transfer_s
     self.state, m = self.fns.apply_step(self.state, acc)
     self.consumed.update(m_.id for m_ in metas)
     self.consumed_groups.update(grp.group_id for grp in mb.groups)
     self.log.step(mb, metas, v_consume, sums, float(jax.device_get(m["grad_norm"])))
+
+  def _centralized(self, micros, prepare, put):
+    """The baseline data path: gather the mini-batch, pickle this consumer's slice
+    (images copied per trajectory) and pass it through an OS pipe from a driver
+    thread; all of it before compute starts. (The benchmark runs the full
+    multi-process version: scripts/bench_transfer.py.)"""
+    t0 = time.perf_counter()
+    recv_end, send_end = mp.Pipe(duplex=False)
+    payload = centralized.gather(self.store, [m for mb in micros for m in mb])
+    data = centralized.serialize(centralized.consumer_slice(payload, micros))
+    sender = threading.Thread(target=send_end.send_bytes, args=(data,))
+    sender.start()
+    received = centralized.deserialize(recv_end.recv_bytes())
+    sender.join()
+    batches = [put(prepare(centralized.to_payload(s))) for s in received]
+    return batches, time.perf_counter() - t0
 
   def save(self, force=False):
     self.progress = {"consumed": sorted(self.consumed), "consumed_groups": sorted(
