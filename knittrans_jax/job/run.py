@@ -42,17 +42,6 @@ from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, Opt
 from knittrans_jax.train.batch import batch_shardings, put_batch, rows_multiple
 
 
-class _Quotas:
-  """Prompt sources in quota-exact blocks of G (shuffled), seeded."""
-
-  def __init__(self, spec, seed):
-    shim = type("C", (), {"spec": spec, "sources": {s: None for s in tasks.SOURCES}})
-    self._stream = PromptStream(shim, np.random.default_rng([seed, 7]))
-
-  def next(self) -> str:
-    return self._stream.next()
-
-
 class Job:
 
   def __init__(self, workdir: str, resume: bool = False):
@@ -102,7 +91,9 @@ class Job:
         max_response_len=self.sampler_cfg.max_new_tokens))
     policy = cfg.policy if cfg.mode == "disaggregated" else "train_batch"
     self.policy = make_policy(policy, spec)
-    self.quotas = _Quotas(spec, cfg.seed + self.progress["next_group"])
+    # Prompt sources in quota-exact blocks of G, shuffled (the data loader).
+    self.quotas = PromptStream(spec, tasks.SOURCES,
+                               np.random.default_rng([cfg.seed, self.progress["next_group"]]))
     self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.version)
     self.consumed = set(self.progress["consumed"])
     self.seen_groups = {int(g) for g in self.progress.get("consumed_groups", [])}

@@ -78,7 +78,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     raise ValueError(f"window W = {window} < g = {spec.mini_batch_groups}: no mini-batch can form")
   latency = 0.0 if colocated else config.sync_latency_s
   rng = np.random.default_rng(config.seed)
-  stream = PromptStream(config, rng)
+  stream = PromptStream(spec, config.sources, rng)
   pol = make_policy(policy, spec)
   names = tuple(config.sources)
   src_index = {s: i for i, s in enumerate(names)}

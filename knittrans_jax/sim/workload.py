@@ -36,12 +36,11 @@ class PromptStream:
   Without quotas the mix is uniform over the configured sources.
   """
 
-  def __init__(self, config: SimConfig, rng: np.random.Generator):
-    spec = config.spec
+  def __init__(self, spec, sources, rng: np.random.Generator):
     if spec.source_quota is not None:
       block = [s for s, q in spec.source_quota.items() for _ in range(q)]
     else:
-      names = list(config.sources)
+      names = list(sources)
       block = [names[i % len(names)] for i in range(spec.groups_per_batch)]
     self._block, self._rng, self._queue = block, rng, []
 
