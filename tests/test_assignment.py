@@ -41,12 +41,15 @@ def test_every_row_exactly_once_and_balanced(seed, C, mbs, n, groups_per_consume
   assert plan.imbalance <= max(0.1, plan.lpt_imbalance) + 1e-9
   for c, cons in enumerate(plan.consumers):
     assert sum(m.length for micro in cons for m in micro) == plan.consumer_tokens[c]
-  # Groups stay whole on one consumer (each consumer's share is a multiple of n).
-  owner = {}
+  # Groups stay whole on one consumer (each consumer's share is a multiple of n),
+  # and within one micro-batch when the micro-batch size is a multiple of n.
+  owner, micro_owner = {}, {}
   for c, cons in enumerate(plan.consumers):
-    for micro in cons:
+    for k, micro in enumerate(cons):
       for m in micro:
         assert owner.setdefault(m.group_id, c) == c
+        if mbs % n == 0:
+          assert micro_owner.setdefault(m.group_id, (c, k)) == (c, k)
 
 
 def test_locality_preferred_within_tolerance():

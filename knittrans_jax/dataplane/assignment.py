@@ -8,7 +8,8 @@ least-loaded consumer with room (count-constrained LPT). Locality: an item may g
 to a consumer on the host of its storage unit instead, if that keeps the load
 within `tolerance` of the mean; if the result is less balanced than
 max(tolerance, plain LPT's imbalance), the plain LPT plan is used. Within a
-consumer, rows are spread over its micro-batches the same way, by tokens.
+consumer, whole groups (when the micro-batch size is a multiple of n) or else rows
+are spread over its micro-batches the same way, by tokens.
 """
 from __future__ import annotations
 
@@ -113,8 +114,14 @@ def plan_micro_batches(mini_batch: MiniBatch, num_consumers: int, micro_batch_si
     rows = [m for _, u in chunk for m in u]
     if host_of is not None and consumer_host is not None:
       local_rows += sum(host_of(m.unit) == consumer_host[c] for m in rows)
-    micro, _ = _spread([(m.length, m) for m in rows], n_micro, micro_batch_size)
-    consumers.append(tuple(tuple(m for _, m in mb) for mb in micro))
+    if whole_groups and micro_batch_size % per_item == 0:
+      # Whole groups per micro-batch too: a micro-batch then needs only its groups'
+      # images (what the on-demand reader fetches first) and advantages stay local.
+      micro, _ = _spread(chunk, n_micro, micro_batch_size // per_item)
+      consumers.append(tuple(tuple(m for _, u in mb for m in u) for mb in micro))
+    else:
+      micro, _ = _spread([(m.length, m) for m in rows], n_micro, micro_batch_size)
+      consumers.append(tuple(tuple(m for _, m in mb) for mb in micro))
   return MicroBatchPlan(
       consumers=tuple(consumers), consumer_tokens=tuple(loads), imbalance=_imbalance(loads),
       lpt_imbalance=_imbalance(plain_loads),

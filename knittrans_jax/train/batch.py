@@ -62,7 +62,10 @@ def batch_shardings(mesh: Mesh, rules, batch: dict, stacked: bool = False) -> di
 
 
 def put_batch(batch: dict, shardings: dict) -> dict:
-  return {k: jax.device_put(np.asarray(v), shardings[k]) for k, v in batch.items()}
+  """Global arrays from this process's rows. With one process this is a device_put;
+  under jax.distributed each process passes only its own consumer's rows."""
+  return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
+          for k, v in batch.items()}
 
 
 def rows_multiple(mesh: Mesh, rules) -> int:
