@@ -106,3 +106,11 @@ class TrainBatchSpec:
 
   def quota(self, source: str) -> int | None:
     return None if self.source_quota is None else self.source_quota.get(source, 0)
+
+  def quota_violations(self, per_train_batch: Mapping[int, Mapping[str, int]]) -> int:
+    """Complete train batches (G groups trained) whose per-source counts are off quota."""
+    if self.source_quota is None:
+      return 0
+    return sum(1 for counts in per_train_batch.values()
+               if sum(counts.values()) == self.groups_per_batch
+               and any(counts.get(s, 0) != q for s, q in self.source_quota.items()))

@@ -3,18 +3,17 @@ from __future__ import annotations
 
 import numpy as np
 
-from knittrans_jax.types import Payload, TrajMeta
+from knittrans_jax.rl.advantages import group_advantages
+from knittrans_jax.types import Payload
 
 
-def group_advantages_by_id(groups, normalize_std: bool = True, eps: float = 1e-6) -> dict:
+def group_advantages_by_id(groups, normalize_std: bool = True) -> dict:
   """{trajectory id: advantage} from each admitted group's rewards (GRPO)."""
   out = {}
   for grp in groups:
     rewards = np.array([m.reward for m in grp.metas], np.float32)
-    centred = rewards - rewards.mean()
-    if normalize_std:
-      centred = centred / (rewards.std() + eps)
-    out.update({m.id: float(a) for m, a in zip(grp.metas, centred)})
+    adv = group_advantages(rewards, len(rewards), normalize_std)
+    out.update({m.id: float(a) for m, a in zip(grp.metas, adv)})
   return out
 
 
@@ -42,11 +41,3 @@ def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> 
     adv[i] = advantages[m.id]
   return dict(tokens=tokens, attention_mask=attn, loss_mask=loss_mask, behaviour_logp=logp,
               advantages=adv)
-
-
-def loss_tokens(metas: list[TrajMeta], payload: Payload | None = None) -> int:
-  """Loss tokens of trajectories (all response tokens carry mask 1 in our tasks,
-  but the mask is read from the payload when given)."""
-  if payload is not None:
-    return int(sum(int(m.sum()) for m in payload.loss_mask))
-  return sum(m.response_len for m in metas)

@@ -27,7 +27,6 @@ class JobConfig:
   seq_len: int = 24
   seed: int = 0
   store_url: str | None = None
-  log_every: int = 1
   prefetch_depth: int = 2  # micro-batches read ahead of the step
   data_path: str = "ondemand"  # or 'centralized' (the baseline)
 

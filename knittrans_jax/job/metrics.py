@@ -70,14 +70,7 @@ class MetricsLog:
             "traj/s": f"{self.trajectories / el:.1f}"}
 
   def quota_violations(self) -> int:
-    if self.spec.source_quota is None:
-      return 0
-    bad = 0
-    for k, counts in self.batch_counts.items():
-      if sum(counts.values()) == self.spec.groups_per_batch and any(
-          counts.get(s, 0) != q for s, q in self.spec.source_quota.items()):
-        bad += 1
-    return bad
+    return self.spec.quota_violations(self.batch_counts)
 
   def close(self) -> None:
     self.tb.close()

@@ -1,6 +1,8 @@
 """Summary figures of a simulated run (design-notes s. 2 definitions)."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from knittrans_jax.admission import TrainBatchSpec
@@ -9,21 +11,10 @@ from knittrans_jax.sim.pipeline import SimResult
 
 def quota_violations(result: SimResult, spec: TrainBatchSpec) -> int:
   """Complete train batches whose per-source group counts differ from the quota."""
-  if spec.source_quota is None:
-    return 0
-  totals: dict[int, dict[str, int]] = {}
-  sizes: dict[int, int] = {}
+  totals = collections.defaultdict(collections.Counter)
   for k, _, counts in result.mini_batch_counts:
-    acc = totals.setdefault(k, {})
-    for s, c in counts.items():
-      acc[s] = acc.get(s, 0) + c
-    sizes[k] = sizes.get(k, 0) + 1
-  bad = 0
-  for k, acc in totals.items():
-    if sizes[k] == spec.num_mini_batches and any(
-        acc.get(s, 0) != q for s, q in spec.source_quota.items()):
-      bad += 1
-  return bad
+    totals[k].update(counts)
+  return spec.quota_violations(totals)
 
 
 def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:

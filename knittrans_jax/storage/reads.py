@@ -6,7 +6,6 @@ kvstore can overlap them. `.result()` waits, checks what came back, and slices.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Callable, Collection, Sequence
 
 import numpy as np

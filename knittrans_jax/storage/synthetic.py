@@ -30,9 +30,3 @@ def random_group(rng: np.random.Generator, group_id: int, n: int, source: str,
         source=source, group_id=group_id, index_in_group=i,
         versions=(version,), image_ids=image_ids))
   return out
-
-
-def random_image(rng: np.random.Generator, shape=(448, 448, 3), dtype=np.float32) -> np.ndarray:
-  if np.dtype(dtype).kind == "f":
-    return rng.random(shape, dtype=np.float32).astype(dtype)
-  return rng.integers(0, 256, shape, dtype=np.uint8)
