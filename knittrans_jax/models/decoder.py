@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knittrans_jax.models.layers import Block, RMSNorm, _normal, dense
+from knittrans_jax.models.layers import wide, Block, RMSNorm, _normal, dense
 
 
 @gin.configurable
@@ -67,7 +67,7 @@ class DecoderLM(nnx.Module):
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     for block in self.blocks:
       x, _ = block(x, mask, positions)
-    return self.head(self.norm(x[:, P:])).astype(jnp.float32)
+    return self.head(self.norm(x[:, P:])).astype(wide(x.dtype))
 
   # -- incremental decoding (the rollout sampler) -----------------------------
   def prefill(self, tokens, valid, capacity: int):
@@ -82,7 +82,7 @@ class DecoderLM(nnx.Module):
       x, (k, v) = block(x, mask, positions)
       pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
       caches.append((jnp.pad(k, pad), jnp.pad(v, pad)))
-    return self.head(self.norm(x[:, -1:]))[:, 0].astype(jnp.float32), caches
+    return self.head(self.norm(x[:, -1:]))[:, 0].astype(wide(x.dtype)), caches
 
   def decode_step(self, token, position, caches, index, key_valid):
     """One token per row at cache slot `index`; `key_valid` [B, S] marks filled slots."""
@@ -92,4 +92,4 @@ class DecoderLM(nnx.Module):
     for block, cache in zip(self.blocks, caches):
       x, kv = block(x, mask, position[:, None], cache, index)
       new.append(kv)
-    return self.head(self.norm(x))[:, 0].astype(jnp.float32), new
+    return self.head(self.norm(x))[:, 0].astype(wide(x.dtype)), new

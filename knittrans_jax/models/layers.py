@@ -13,6 +13,11 @@ from flax import nnx
 _normal = nnx.initializers.normal(stddev=0.02)
 
 
+def wide(dtype) -> jnp.dtype:
+  """The dtype for numerically sensitive math: float32, or float64 under x64 tests."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
 def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype) -> nnx.Linear:
   return nnx.Linear(din, dout, use_bias=False, dtype=dtype,
                     kernel_init=nnx.with_partitioning(_normal, axes), rngs=rngs)
@@ -25,7 +30,7 @@ class RMSNorm(nnx.Module):
     self.eps = eps
 
   def __call__(self, x):
-    x32 = x.astype(jnp.float32)
+    x32 = x.astype(wide(x.dtype))
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
     return (y * self.scale[...]).astype(x.dtype)
 
@@ -33,10 +38,11 @@ class RMSNorm(nnx.Module):
 def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
   """Rotary position embedding on [B, T, H, D] at integer positions [B, T]."""
   d = x.shape[-1]
-  freqs = theta ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  angle = positions[..., None].astype(jnp.float32) * freqs  # [B, T, D/2]
+  dt = wide(x.dtype)
+  freqs = theta ** (-jnp.arange(0, d, 2, dtype=dt) / d)
+  angle = positions[..., None].astype(dt) * freqs  # [B, T, D/2]
   cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
-  x1, x2 = x[..., 0::2].astype(jnp.float32), x[..., 1::2].astype(jnp.float32)
+  x1, x2 = x[..., 0::2].astype(dt), x[..., 1::2].astype(dt)
   out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
   return out.reshape(x.shape).astype(x.dtype)
 
@@ -62,8 +68,9 @@ class Attention(nnx.Module):
     return q, k, v
 
   def _attend(self, q, k, v, mask):
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / jnp.sqrt(self.head_dim)
-    scores = jnp.where(mask[:, None], scores, jnp.finfo(jnp.float32).min)
+    dt = wide(q.dtype)
+    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
+    scores = jnp.where(mask[:, None], scores, jnp.finfo(dt).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
     return self.o(out.reshape(out.shape[0], out.shape[1], -1))

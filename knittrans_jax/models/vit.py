@@ -21,6 +21,7 @@ class ViTConfig:
   heads: int = 4
   mlp_width: int = 128
   dropout: float = 0.0  # > 0 makes the encoder stochastic (refused by encode-once)
+  dtype: str = "float32"
 
   def __post_init__(self):
     if self.image_size % self.patch_size:
@@ -38,10 +39,11 @@ class ViTEncoder(nnx.Module):
   def __init__(self, config: ViTConfig, rngs: nnx.Rngs):
     self.config = config
     p, c = config.patch_size, config.channels
-    self.patch = dense(rngs, p * p * c, config.width, ("patch", "embed"), jnp.float32)
+    dt = jnp.dtype(config.dtype)
+    self.patch = dense(rngs, p * p * c, config.width, ("patch", "embed"), dt)
     self.pos = nnx.Param(nnx.with_partitioning(_normal, (None, "embed"))(
         rngs.params(), (config.num_patches, config.width)))
-    self.blocks = nnx.List([Block(config.width, config.heads, config.mlp_width, rngs, jnp.float32,
+    self.blocks = nnx.List([Block(config.width, config.heads, config.mlp_width, rngs, dt,
                                   rope_theta=None, dropout=config.dropout)
                             for _ in range(config.depth)])
     self.norm = RMSNorm(config.width)
@@ -64,9 +66,9 @@ class ViTEncoder(nnx.Module):
 class Projector(nnx.Module):
   """ViT features -> the language model's width (two layers, GELU)."""
 
-  def __init__(self, din: int, dout: int, rngs: nnx.Rngs):
-    self.fc1 = dense(rngs, din, dout, (None, "embed"), jnp.float32)
-    self.fc2 = dense(rngs, dout, dout, ("mlp", "embed"), jnp.float32)
+  def __init__(self, din: int, dout: int, rngs: nnx.Rngs, dtype="float32"):
+    self.fc1 = dense(rngs, din, dout, (None, "embed"), jnp.dtype(dtype))
+    self.fc2 = dense(rngs, dout, dout, ("mlp", "embed"), jnp.dtype(dtype))
 
   def __call__(self, x):
     return self.fc2(nnx.gelu(self.fc1(x)))

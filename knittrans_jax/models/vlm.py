@@ -16,7 +16,7 @@ class VLM(nnx.Module):
 
   def __init__(self, vit: ViTConfig, lm: DecoderConfig, rngs: nnx.Rngs):
     self.encoder = ViTEncoder(vit, rngs)
-    self.projector = Projector(vit.width, lm.width, rngs)
+    self.projector = Projector(vit.width, lm.width, rngs, lm.dtype)
     self.decoder = DecoderLM(lm, rngs)
 
   def encode(self, images):

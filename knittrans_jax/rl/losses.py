@@ -30,13 +30,14 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax
   """log p(tokens[:, t] | tokens[:, :t]) and the entropy at each position, [B, T].
 
   logits[:, t] predicts tokens[:, t + 1]; position 0 has no prediction and gets 0.
-  Computed in float32 whatever the logits' dtype.
+  Computed in float32 whatever the logits' dtype (float64 if the logits are).
   """
-  logp_all = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+  dt = jnp.promote_types(logits.dtype, jnp.float32)
+  logp_all = jax.nn.log_softmax(logits[:, :-1].astype(dt), axis=-1)
   target = tokens[:, 1:]
   logp = jnp.take_along_axis(logp_all, target[..., None], axis=-1)[..., 0]
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
-  pad = jnp.zeros((tokens.shape[0], 1), jnp.float32)
+  pad = jnp.zeros((tokens.shape[0], 1), dt)
   return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
 
 
@@ -62,7 +63,7 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
   the mini-batch's total token count: a true global token mean.
   """
   logp, entropy = token_logprobs(logits / config.temperature, batch["tokens"])
-  mask = batch["loss_mask"].astype(jnp.float32)
+  mask = batch["loss_mask"].astype(logp.dtype)
   loss, ratio, clipped = ppo_token_terms(logp, batch["behaviour_logp"], batch["advantages"],
                                          config, batch.get("ref_logp"))
   sums = {
@@ -80,6 +81,6 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
 def nll_loss_sum(logits: jax.Array, batch: dict):
   """Supervised objective (sum of -log p over masked tokens), for sanity runs."""
   logp, _ = token_logprobs(logits, batch["tokens"])
-  mask = batch["loss_mask"].astype(jnp.float32)
+  mask = batch["loss_mask"].astype(logp.dtype)
   loss = -jnp.sum(logp * mask)
   return loss, {"loss": loss, "tokens": jnp.sum(mask)}

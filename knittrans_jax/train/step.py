@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from knittrans_jax.models.layers import wide
 from knittrans_jax.rl.losses import LossConfig, nll_loss_sum, ppo_loss_sum
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import replicated
@@ -49,20 +50,22 @@ class StepFunctions:
     self.apply_step = jax.jit(self._apply, in_shardings=(shardings, self._grad_sh),
                               out_shardings=(shardings, repl), donate_argnums=0)
     self.zero_grads = jax.jit(  # fp32 accumulator shaped and sharded like the params
-        lambda params: jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), params),
+        lambda params: jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params),
         in_shardings=(self._grad_sh,), out_shardings=self._grad_sh)
 
   # -- pieces ---------------------------------------------------------------
+  def objective_sum(self, logits, batch):
+    """(loss summed over the batch's loss tokens, metric sums)."""
+    if self.objective == "nll":
+      return nll_loss_sum(logits, batch)
+    return ppo_loss_sum(logits, batch, self.loss)
+
   def _micro(self, params, batch, total_tokens):
     def loss_fn(p):
-      logits = self.forward(nnx.merge(self.graphdef, p), batch)
-      if self.objective == "nll":
-        loss_sum, sums = nll_loss_sum(logits, batch)
-      else:
-        loss_sum, sums = ppo_loss_sum(logits, batch, self.loss)
+      loss_sum, sums = self.objective_sum(self.forward(nnx.merge(self.graphdef, p), batch), batch)
       return loss_sum / total_tokens, sums
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return jax.tree.map(lambda g: g.astype(jnp.float32), grads), sums
+    return jax.tree.map(lambda g: g.astype(wide(g.dtype)), grads), sums
 
   def _apply(self, state: TrainState, grads):
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
@@ -71,7 +74,7 @@ class StepFunctions:
     return TrainState(params, opt_state, state.version + 1, state.rng), metrics
 
   def _scan(self, state, stacked, total_tokens):
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, wide(p.dtype)), state.params)
 
     def body(carry, micro):
       acc, sums = carry

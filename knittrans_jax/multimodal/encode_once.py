@@ -1,0 +1,292 @@
+"""The encode-once step: each unique image of a mini-batch is encoded once and its
+encoder back-propagates once, giving exactly the naive gradient.
+
+    step = EncodeOnceStep(fns)                      # fns: train.StepFunctions of a VLM
+    enc = step.encode(state.params, images)         # E [U, patches, d] for the U slots
+    acc, acc_e = fns.zero_grads(state.params), step.zero_embed_grads(enc)
+    for micro in micro_batches:                     # arrive one at a time (data path)
+      acc, acc_e, sums = step.backbone(state.params, enc, acc, acc_e, micro, total_tokens)
+    acc = step.encoder_grads(state.params, images, enc, acc, acc_e)   # one encoder VJP
+    state, metrics = fns.apply_step(state, acc)
+
+A backbone micro-batch gathers its rows' embeddings, E[image_index]; the gradient of
+that gather w.r.t. E is a scatter-add, so `acc_e` (fp32, sharded like E) collects
+every row's embedding cotangent over all micro-batches. The encoder VJP is linear
+in its cotangent, so one VJP of the summed cotangent equals the sum of the per-row
+VJPs of the naive step (encoder run per trajectory per micro-batch).
+
+Residuals (EncodeOnceConfig.residuals):
+  keep       `encode` runs jax.vjp and returns the VJP closure with E: the encoder's
+             activations for the U images stay alive until `encoder_grads`.
+  recompute  `encode` runs the forward only; `encoder_grads` runs it again inside
+             jax.vjp (GradCache style): one extra encoder forward, no activations held
+             across the backbone micro-batches.
+Both need the encoder to compute the same function at both times, hence the
+determinism guard (dropout refused).
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Iterable
+
+import gin
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from knittrans_jax.models.layers import wide
+from knittrans_jax.train.batch import batch_shardings
+from knittrans_jax.train.mesh import logical_sharding, replicated
+from knittrans_jax.train.step import StepFunctions
+
+ENCODER_KEYS = ("encoder", "projector")  # the VLM's image path: ViT, then projector
+
+
+class StochasticEncoderError(ValueError):
+  """The encoder is not deterministic, so encoding once would change the gradient."""
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class EncodeOnceConfig:
+  residuals: str = "keep"  # or 'recompute' (see the module doc for the memory trade)
+  count_calls: bool = False  # count encoder forwards/backwards at run time (host callbacks)
+
+  def __post_init__(self):
+    if self.residuals not in ("keep", "recompute"):
+      raise ValueError(f"EncodeOnceConfig.residuals = {self.residuals!r}: use 'keep' or "
+                       "'recompute'")
+
+
+class EncoderCalls:
+  """Run-time tallies of images through the encoder, from host callbacks in the
+  compiled step (so they count executions, not traces)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.reset()
+
+  def reset(self):
+    self.forward_images = self.backward_images = 0
+    self.forward_calls = self.backward_calls = 0
+
+  def _forward(self, n):
+    with self._lock:
+      self.forward_calls += 1
+      self.forward_images += int(n)
+
+  def _backward(self, n):
+    with self._lock:
+      self.backward_calls += 1
+      self.backward_images += int(n)
+
+  def tag(self, embeds):
+    """Identity on the encoder's output whose forward and backward tick the tallies."""
+    n = embeds.shape[0]
+
+    @jax.custom_vjp
+    def ident(x):
+      jax.debug.callback(self._forward, n)
+      return x
+
+    def fwd(x):
+      jax.debug.callback(self._forward, n)
+      return x, None
+
+    def bwd(_, g):
+      jax.debug.callback(self._backward, n)
+      return (g,)
+
+    ident.defvjp(fwd, bwd)
+    return ident(embeds)
+
+  def as_dict(self) -> dict:
+    return {"forward_images": self.forward_images, "forward_calls": self.forward_calls,
+            "backward_images": self.backward_images, "backward_calls": self.backward_calls}
+
+
+def _in_encoder(path, _value) -> bool:
+  return path[0] in ENCODER_KEYS
+
+
+def split_encoder(params):
+  """(encoder + projector params, the rest) of a VLM's nnx.State, same nesting."""
+  return nnx.split_state(params, _in_encoder, ...)
+
+
+def join(*parts):
+  return nnx.merge_state(*parts)
+
+
+def check_deterministic(model: nnx.Module) -> None:
+  """Refuses an image path with active dropout (or anything else drawing rngs)."""
+  for name in ENCODER_KEYS:
+    sub = getattr(model, name, None)
+    if sub is None:
+      raise StochasticEncoderError(f"model has no '{name}' submodule; the encode-once step "
+                                   f"needs a VLM with {ENCODER_KEYS}")
+    for path, module in nnx.iter_modules(sub):
+      where = ".".join(str(p) for p in (name, *path))
+      if isinstance(module, nnx.Dropout) and module.rate > 0 and not module.deterministic:
+        raise StochasticEncoderError(
+            f"{where} is dropout with rate {module.rate}: a stochastic encoder gives a "
+            "different embedding each time, so one encode per image would not equal the naive "
+            "gradient. Set ViTConfig.dropout = 0 (or use the naive step).")
+      if isinstance(module, nnx.Rngs):
+        raise StochasticEncoderError(f"{where} holds an rng stream; the encoder must be "
+                                     "deterministic within a mini-batch")
+
+
+def naive_vlm_forward(calls: EncoderCalls | None = None):
+  """The naive forward: the encoder runs on batch['images'], one image per row."""
+
+  def forward(model, batch):
+    embeds = model.encode(batch["images"])
+    if calls is not None:
+      embeds = calls.tag(embeds)
+    return model.decode(embeds, batch["tokens"], batch["attention_mask"])
+  return forward
+
+
+@dataclasses.dataclass
+class Encoded:
+  """What `encode` hands the rest of the mini-batch."""
+  embeds: jax.Array  # [U, patches, d], sharded over the batch axes like the images
+  residuals: Any  # the encoder's VJP closure ('keep') or None ('recompute')
+
+
+class EncodeOnceStep:
+  """The deduplicated mini-batch step around a VLM's StepFunctions (see module doc)."""
+
+  def __init__(self, fns: StepFunctions, config: EncodeOnceConfig | None = None,
+               calls: EncoderCalls | None = None):
+    self.fns = fns
+    self.config = config = config or EncodeOnceConfig()
+    self.calls = calls if calls is not None else (EncoderCalls() if config.count_calls else None)
+    model = nnx.merge(fns.graphdef, jax.tree.map(lambda s: jax.ShapeDtypeStruct((), jnp.float32),
+                                                 fns.shardings.params))
+    check_deterministic(model)
+    mesh, rules = fns.mesh, fns.rules
+    self.images_sharding = logical_sharding(mesh, rules, "batch", None, None, None)
+    self.embeds_sharding = logical_sharding(mesh, rules, "batch", None, None)
+    self._param_sh = fns.shardings.params
+    self._enc_sh, _ = split_encoder(self._param_sh)
+    self._jitted: dict = {}
+    self._zero_e = jax.jit(lambda e: jnp.zeros(e.shape, wide(e.dtype)),
+                           in_shardings=(self.embeds_sharding,), out_shardings=self.embeds_sharding)
+    if config.residuals == "keep":
+      # The VJP closure is a pytree of residual arrays; their layout is left to XLA.
+      self._encode = jax.jit(self._encode_keep, in_shardings=(self._param_sh, self.images_sharding))
+      self._finish = jax.jit(self._finish_keep, in_shardings=(
+          None, self._param_sh, self.embeds_sharding), out_shardings=self._param_sh,
+          donate_argnums=1)
+    else:
+      self._encode = jax.jit(self._encode_only, in_shardings=(self._param_sh, self.images_sharding),
+                             out_shardings=self.embeds_sharding)
+      self._finish = jax.jit(self._finish_recompute, in_shardings=(
+          self._param_sh, self.images_sharding, self._param_sh, self.embeds_sharding),
+          out_shardings=self._param_sh, donate_argnums=2)
+
+  # -- traced pieces ------------------------------------------------------------
+  def _encoder_fn(self, params, images):
+    """enc params -> E, with the rest of the model held fixed."""
+    _, rest = split_encoder(params)
+
+    def f(enc):
+      embeds = nnx.merge(self.fns.graphdef, join(enc, rest)).encode(images)
+      if self.calls is not None:
+        embeds = self.calls.tag(embeds)
+      return jax.lax.with_sharding_constraint(embeds, self.embeds_sharding)
+    return f
+
+  def _encode_only(self, params, images):
+    enc, _ = split_encoder(params)
+    return self._encoder_fn(params, images)(enc)
+
+  def _encode_keep(self, params, images):
+    enc, _ = split_encoder(params)
+    return jax.vjp(self._encoder_fn(params, images), enc)
+
+  def _merge_encoder_grads(self, acc, g_enc):
+    acc_enc, acc_rest = split_encoder(acc)
+    acc_enc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_enc, g_enc)
+    return join(acc_enc, acc_rest)
+
+  def _finish_keep(self, vjp_fn, acc, acc_e):
+    (g_enc,) = vjp_fn(acc_e)  # E is float32 in these models, like the accumulator
+    return self._merge_encoder_grads(acc, g_enc)
+
+  def _finish_recompute(self, params, images, acc, acc_e):
+    enc, _ = split_encoder(params)
+    _, vjp_fn = jax.vjp(self._encoder_fn(params, images), enc)
+    (g_enc,) = vjp_fn(acc_e)
+    return self._merge_encoder_grads(acc, g_enc)
+
+  def _backbone(self, params, embeds, acc, acc_e, batch, total_tokens):
+    enc, rest = split_encoder(params)
+
+    def loss_fn(rest_p, e):
+      model = nnx.merge(self.fns.graphdef, join(enc, rest_p))
+      prefix = jnp.take(e, batch["image_index"], axis=0)  # its VJP: scatter-add into dE
+      logits = model.decode(prefix, batch["tokens"], batch["attention_mask"])
+      loss_sum, sums = self.fns.objective_sum(logits, batch)
+      return loss_sum / total_tokens, sums
+
+    (_, sums), (g_rest, g_e) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+        rest, embeds)
+    acc_enc, acc_rest = split_encoder(acc)
+    acc_rest = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_rest, g_rest)
+    return join(acc_enc, acc_rest), acc_e + g_e.astype(acc_e.dtype), sums
+
+  # -- entry points ---------------------------------------------------------------
+  def encode(self, params, images) -> Encoded:
+    """Encoder forward on the mini-batch's image slots [U, H, W, C] (once per image)."""
+    if self.config.residuals == "keep":
+      embeds, vjp_fn = self._encode(params, images)
+      return Encoded(embeds, vjp_fn)
+    return Encoded(self._encode(params, images), None)
+
+  @staticmethod
+  def residual_bytes(encoded: Encoded) -> int:
+    """Bytes the kept encoder activations hold until the VJP (0 when recomputing)."""
+    return sum(x.nbytes for x in jax.tree.leaves(encoded.residuals))
+
+  def zero_embed_grads(self, encoded: Encoded):
+    return self._zero_e(encoded.embeds)
+
+  def backbone(self, params, encoded: Encoded, acc, acc_e, batch: dict, total_tokens):
+    """One backbone micro-batch: adds its parameter gradients into `acc` and its
+    embedding cotangents into `acc_e` (both donated). `batch['image_index']` [B]
+    gives each row's slot in E."""
+    if "image_index" not in batch or "images" in batch:
+      raise ValueError("an encode-once micro-batch carries 'image_index' (slots of the "
+                       f"mini-batch's images) and no 'images'; got keys {sorted(batch)}")
+    key = tuple(sorted((k, v.shape) for k, v in batch.items())) + (encoded.embeds.shape,)
+    if key not in self._jitted:
+      repl = replicated(self.fns.mesh)
+      self._jitted[key] = jax.jit(
+          self._backbone, in_shardings=(self._param_sh, self.embeds_sharding, self._param_sh,
+                                        self.embeds_sharding,
+                                        batch_shardings(self.fns.mesh, self.fns.rules, batch),
+                                        repl),
+          out_shardings=(self._param_sh, self.embeds_sharding, repl), donate_argnums=(2, 3))
+    return self._jitted[key](params, encoded.embeds, acc, acc_e, batch,
+                             jnp.float32(total_tokens))
+
+  def encoder_grads(self, params, images, encoded: Encoded, acc, acc_e):
+    """The one encoder VJP of the mini-batch; returns `acc` with the encoder and
+    projector gradients added (`acc` is donated)."""
+    if self.config.residuals == "keep":
+      return self._finish(encoded.residuals, acc, acc_e)
+    return self._finish(params, images, acc, acc_e)
+
+  def mini_batch_grads(self, params, images, micro_batches: Iterable[dict], total_tokens):
+    """Gradient of one mini-batch (the loop of the module doc) and its metric sums."""
+    encoded = self.encode(params, images)
+    acc, acc_e = self.fns.zero_grads(params), self.zero_embed_grads(encoded)
+    sums = None
+    for batch in micro_batches:
+      acc, acc_e, s = self.backbone(params, encoded, acc, acc_e, batch, total_tokens)
+      sums = s if sums is None else jax.tree.map(jnp.add, sums, s)
+    return self.encoder_grads(params, images, encoded, acc, acc_e), sums
