@@ -14,9 +14,8 @@ from knittrans_jax.storage import TrajectoryStore
 pytestmark = pytest.mark.slow
 
 
-def start(workdir, *bindings, resume=False):
-  cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_test.gin",
-         "--workdir", str(workdir)]
+def start(workdir, *bindings, resume=False, gin_file="configs/text_grpo_test.gin"):
+  cmd = [sys.executable, "scripts/train.py", "--gin_file", gin_file, "--workdir", str(workdir)]
   for b in bindings:
     cmd += ["--gin_bindings", b]
   if resume:
@@ -81,6 +80,29 @@ def test_end_to_end(tmp_path, mode, policy, data_path):
   assert summary["raw_transfer_s"] > 0 and summary["exposed_data_wait_s"] >= 0
   if mode == "colocated":
     assert summary["arch_staleness_mean"] == 0 and all(a == 0 for r in recs for a in r["arch"])
+
+
+@pytest.mark.parametrize("mode,data_path,encode_once", [
+    ("disaggregated", "ondemand", True), ("colocated", "centralized", False)])
+def test_vlm_end_to_end(tmp_path, mode, data_path, encode_once):
+  work = tmp_path / "run"
+  finish(start(work, f"JobConfig.mode = '{mode}'", f"JobConfig.data_path = '{data_path}'",
+               f"JobConfig.encode_once = {encode_once}", gin_file="configs/vlm_grpo_test.gin"))
+  summary, recs = check_trained(work, 6)
+  assert summary["mode"] == mode and summary["raw_transfer_s"] > 0
+  # Each group's image is in its unit's image table once, shared by its 4 responses.
+  store = TrajectoryStore.open("file://" + str(work / "store"))
+  for unit in store.units():
+    metas = store.list_committed(unit)
+    groups = {m.group_id for m in metas}
+    assert all(len(m.image_ids) == 1 for m in metas)
+    assert len(store.reader(unit).image_ids()) == len({m.image_ids[0] for m in metas}) == len(groups)
+
+
+def test_vlm_job_refuses_a_stochastic_encoder(tmp_path):
+  proc = start(tmp_path / "run", "ViTConfig.dropout = 0.1", gin_file="configs/vlm_grpo_test.gin")
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "dropout with rate 0.1" in out, out[-2000:]
 
 
 def test_worker_killed_mid_run(tmp_path):

@@ -5,7 +5,9 @@ micro-batch straight from the storage units, prepares it (pads to the step's
 static shapes), puts it on the devices with the step's sharding, and queues it,
 staying up to `depth` micro-batches ahead of the step. The step's side only
 waits when the data is not ready yet; that wait is the exposed transfer time.
-Each image of the plan is read once per consumer and reused by later micro-batches.
+Each image of the plan is read once per consumer and reused by later micro-batches
+(or not at all with read_images=False: the encode-once path reads its image slots
+separately, multimodal/slot_reads.py).
 A read error is raised in the step that needs that micro-batch, naming its unit
 and rows, and the thread stops.
 """
@@ -47,13 +49,18 @@ class PrefetchingReader:
   def __init__(self, store: TrajectoryStore, plan: Sequence[Sequence[TrajMeta]],
                prepare: Callable[[Payload], Any], depth: int = 2,
                put: Callable[[Any], Any] | None = None,
-               unit_host: Mapping[str, str] | None = None, host: str | None = None):
+               unit_host: Mapping[str, str] | None = None, host: str | None = None,
+               read_images: bool = True):
     if depth < 1:
       raise ValueError(f"prefetch depth {depth} must be >= 1")
     self.store, self.plan, self.prepare, self.put = store, [list(m) for m in plan], prepare, put
     self.unit_host, self.host = unit_host, host
     self.stats = ReaderStats()
     self._images: dict = {}
+    # Without images (the encode-once path reads each image once, into its slot),
+    # every image id of the plan counts as read already.
+    self._skip = set() if read_images else {i for m in self.plan for x in m for i in x.image_ids}
+    self.read_images = read_images
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, name="prefetching-reader", daemon=True)
@@ -62,12 +69,13 @@ class PrefetchingReader:
 
   def _read_one(self, k: int, metas: list[TrajMeta]):
     t0 = time.perf_counter()
-    payload = self.store.read(metas, skip_images=self._images.keys()).result()
+    payload = self.store.read(metas, skip_images=self._images.keys() | self._skip).result()
     nbytes = payload.nbytes  # sequences, plus only the images read just now
     for iid, image in payload.images.items():
       self._images[iid] = image
       self.stats.images_read[iid] += 1
-    payload.images = {iid: self._images[iid] for m in metas for iid in m.image_ids}
+    if self.read_images:
+      payload.images = {iid: self._images[iid] for m in metas for iid in m.image_ids}
     self.stats.bytes_read += nbytes
     if self.unit_host is not None and self.host is not None:
       self.stats.bytes_local += sum(m.length * 9 for m in metas  # int32 + float32 + uint8

@@ -16,6 +16,9 @@ class JobConfig:
   window: groups dispatched but not yet trained (default 2G, one-step-off).
   micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
   seq_len: static sequence length of a train batch (prompt + response).
+  suite: 'text' (a decoder on text tasks) or 'vision' (a VLM on generated images).
+  encode_once: (vision) the deduplicated step, each image encoded once per
+    mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
   """
   spec: TrainBatchSpec = None
   mode: str = "disaggregated"
@@ -29,6 +32,8 @@ class JobConfig:
   store_url: str | None = None
   prefetch_depth: int = 2  # micro-batches read ahead of the step
   data_path: str = "ondemand"  # or 'centralized' (the baseline)
+  suite: str = "text"  # or 'vision'
+  encode_once: bool = True
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -42,6 +47,8 @@ class JobConfig:
                        f"n = {spec.group_size})")
     if self.data_path not in ("ondemand", "centralized"):
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
+    if self.suite not in ("text", "vision"):
+      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text' or 'vision'")
     if self.mode == "disaggregated" and self.workers <= 0:
       raise ValueError(f"JobConfig.workers = {self.workers} must be positive")
 

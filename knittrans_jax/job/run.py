@@ -9,6 +9,7 @@ steps (train/). Weights go back to the workers through the work dir (rollout/wei
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -19,6 +20,7 @@ import time
 
 import jax
 import numpy as np
+from flax import nnx
 from tqdm import tqdm
 
 from knittrans_jax import gin_cli
@@ -27,10 +29,14 @@ from knittrans_jax.dataplane import PrefetchingReader, centralized, plan_micro_b
 from knittrans_jax.job.batching import build_batch, group_advantages_by_id
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.metrics import MetricsLog
-from knittrans_jax.models import DecoderConfig, DecoderLM
+from knittrans_jax.models import DecoderConfig, ViTConfig
+from knittrans_jax.models.vlm import make_model
+from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, check_deterministic,
+                                      naive_vlm_forward, plan_images, read_slot_images,
+                                      slots_from_images)
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
-from knittrans_jax.rollout.groups import PROMPT_LEN, rollout_groups
+from knittrans_jax.rollout.groups import rollout_groups, suite_prompt_len, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.rollout.worker import worker_main
@@ -40,6 +46,7 @@ from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, Opt
                                  StepFunctions, abstract_state, check_batch, init_train_state,
                                  make_mesh, make_optimizer)
 from knittrans_jax.train.batch import batch_shardings, put_batch, rows_multiple
+from knittrans_jax.train.step import text_forward
 
 
 class Job:
@@ -52,23 +59,39 @@ class Job:
     self.sampler_cfg = SamplerConfig()
     self.loss_cfg = LossConfig()
     spec = cfg.spec
+    self.vision = cfg.suite == "vision"
+    self.vit_cfg = ViTConfig() if self.vision else None
+    self.sources = suite_sources(cfg.suite)
+    self.prompt_len = suite_prompt_len(cfg.suite)
     if self.model_cfg.vocab_size < tasks.VOCAB_SIZE:
       raise ValueError(f"DecoderConfig.vocab_size = {self.model_cfg.vocab_size} < the tasks' "
                        f"vocabulary {tasks.VOCAB_SIZE}")
-    if cfg.seq_len < PROMPT_LEN + self.sampler_cfg.max_new_tokens:
-      raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {PROMPT_LEN} + "
+    if cfg.seq_len < self.prompt_len + self.sampler_cfg.max_new_tokens:
+      raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {self.prompt_len} + "
                        f"max_new_tokens {self.sampler_cfg.max_new_tokens}")
-    unknown = set(spec.source_quota or {}) - set(tasks.SOURCES)
+    unknown = set(spec.source_quota or {}) - set(self.sources)
     if unknown:
       raise ValueError(f"TrainBatchSpec.source_quota names unknown sources {sorted(unknown)}; "
-                       f"the tasks are {tasks.SOURCES}")
+                       f"the {cfg.suite} tasks are {self.sources}")
+    model_fn = lambda r: make_model(self.model_cfg, self.vit_cfg, r)  # noqa: E731
+    if self.vision:
+      if cfg.encode_once:  # refuses dropout with the reason (encoding once would change it)
+        with nnx.use_eager_sharding(False):
+          check_deterministic(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))))
+      elif self.vit_cfg.dropout:
+        raise ValueError(f"ViTConfig.dropout = {self.vit_cfg.dropout}: the trainer keeps no "
+                         "dropout rng state; set it to 0")
     mesh_cfg = MeshConfig()
     self.mesh = make_mesh(mesh_cfg)
     self.rules = mesh_cfg.rules
     tx = make_optimizer(OptimizerConfig())
-    self.graphdef, self.state, shardings = init_train_state(
-        lambda r: DecoderLM(self.model_cfg, r), tx, self.mesh, self.rules, cfg.seed)
-    self.fns = StepFunctions(self.graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules)
+    self.graphdef, self.state, shardings = init_train_state(model_fn, tx, self.mesh, self.rules,
+                                                            cfg.seed)
+    forward = naive_vlm_forward() if self.vision else text_forward
+    self.fns = StepFunctions(self.graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules,
+                             forward=forward)
+    self.encode_once = (EncodeOnceStep(self.fns, EncodeOnceConfig())
+                        if self.vision and cfg.encode_once else None)
     self.rows_multiple = rows_multiple(self.mesh, self.rules)
     if cfg.micro_batch_size % self.rows_multiple:
       raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
@@ -87,12 +110,12 @@ class Job:
         self.state, self.progress = restored
     self.store_url = cfg.store_url or "file://" + os.path.join(self.workdir, "store")
     self.store = TrajectoryStore.create(self.store_url, StoreSchema(
-        sources=tasks.SOURCES, max_prompt_len=PROMPT_LEN,
+        sources=self.sources, max_prompt_len=self.prompt_len,
         max_response_len=self.sampler_cfg.max_new_tokens))
     policy = cfg.policy if cfg.mode == "disaggregated" else "train_batch"
     self.policy = make_policy(policy, spec)
     # Prompt sources in quota-exact blocks of G, shuffled (the data loader).
-    self.quotas = PromptStream(spec, tasks.SOURCES,
+    self.quotas = PromptStream(spec, self.sources,
                                np.random.default_rng([cfg.seed, self.progress["next_group"]]))
     self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.version)
     self.consumed = set(self.progress["consumed"])
@@ -102,6 +125,9 @@ class Job:
     if self.progress.get("position"):
       self.policy.restore_position(self.progress["position"])
     self.publisher = WeightPublisher(self.workdir)
+    self.image_shape = ((self.vit_cfg.image_size, self.vit_cfg.image_size, self.vit_cfg.channels)
+                        if self.vision else None)
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slot-images")
     self.exposed_wait_s = 0.0
     self.raw_transfer_s = 0.0
     self._batch_sh = None
@@ -121,13 +147,27 @@ class Job:
     adv = group_advantages_by_id(mb.groups, self.loss_cfg.normalize_adv_std)
     total = sum(m.response_len for m in metas)  # every response token trains (tasks' mask)
     v_consume = self.version
-    acc = self.fns.zero_grads(self.state.params)
-    sums = collections.Counter()
+    dedup = self.encode_once is not None
+    iplan = (plan_images(plan.consumers, slot_multiple=self.rows_multiple,
+                         min_slots=cfg.spec.mini_batch_groups) if dedup else None)
+    slot_of = {m.id: iplan.index[0][k][i] for k, micro in enumerate(micros)
+               for i, m in enumerate(micro)} if dedup else {}
+    received_images = {}  # centralized path: the images that came with the slices
 
     def prepare(payload):
       batch = build_batch(payload, adv, cfg.seq_len, cfg.micro_batch_size)
       if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
         raise RuntimeError("loss mask disagrees with the response lengths")
+      if dedup:
+        index = np.zeros(cfg.micro_batch_size, np.int32)  # padding rows: any slot, no loss
+        index[:len(payload.metas)] = [slot_of[m.id] for m in payload.metas]
+        batch["image_index"] = index
+        received_images.update(payload.images)
+      elif self.vision:  # the naive step: the image copied into every row
+        images = np.zeros((cfg.micro_batch_size, *self.image_shape), np.float32)
+        for i, m in enumerate(payload.metas):
+          images[i] = payload.images[m.image_ids[0]]
+        batch["images"] = images
       check_batch(batch, self.model_cfg.vocab_size, self.rows_multiple)
       return batch
 
@@ -136,27 +176,58 @@ class Job:
         self._batch_sh = batch_shardings(self.mesh, self.rules, batch)
       return put_batch(batch, self._batch_sh)
 
+    slots = None
     if cfg.data_path == "centralized":
       batches, waited = self._centralized(micros, prepare, put)
+      if dedup:
+        slots = slots_from_images(iplan, 0, received_images, self.image_shape)
       self.exposed_wait_s += waited
       self.raw_transfer_s += waited  # nothing overlaps compute
     else:
-      # On-demand: this consumer reads only its micro-batches, prefetching ahead.
-      batches = PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put)
+      # On-demand: this consumer reads only its micro-batches, prefetching ahead; the
+      # encode-once path reads each image once, into its slot, alongside.
+      if dedup:
+        pending = self._pool.submit(read_slot_images, self.store, iplan, 0, self.image_shape)
+      batches = PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put,
+                                  read_images=not dedup)
+      if dedup:
+        t0 = time.perf_counter()
+        slots = pending.result()
+        waited = time.perf_counter() - t0
+        self.exposed_wait_s += waited
+        self.raw_transfer_s += waited
     try:
-      for batch in batches:
-        grads, s = self.fns.grad_step(self.state, batch, total)
-        acc = self.fns.accumulate(acc, grads)
-        sums.update({key: float(v) for key, v in jax.device_get(s).items()})
+      if dedup:
+        grads, sums = self._encode_once_grads(slots, batches, total)
+      else:
+        grads = self.fns.zero_grads(self.state.params)
+        sums = collections.Counter()
+        for batch in batches:
+          g, s = self.fns.grad_step(self.state, batch, total)
+          grads = self.fns.accumulate(grads, g)
+          sums.update({key: float(v) for key, v in jax.device_get(s).items()})
     finally:
       if isinstance(batches, PrefetchingReader):
         batches.close()
         self.exposed_wait_s += batches.stats.exposed_wait_s
         self.raw_transfer_s += batches.stats.raw_transfer_s
-    self.state, m = self.fns.apply_step(self.state, acc)
+    self.state, m = self.fns.apply_step(self.state, grads)
     self.consumed.update(m_.id for m_ in metas)
     self.consumed_groups.update(grp.group_id for grp in mb.groups)
     self.log.step(mb, metas, v_consume, sums, float(jax.device_get(m["grad_norm"])))
+
+  def _encode_once_grads(self, slots, batches, total):
+    """Encode the mini-batch's images once, run the backbone micro-batches as they
+    arrive, then the one encoder VJP (multimodal/encode_once.py)."""
+    step, params = self.encode_once, self.state.params
+    images = jax.device_put(slots, step.images_sharding)
+    encoded = step.encode(params, images)
+    acc, acc_e = self.fns.zero_grads(params), step.zero_embed_grads(encoded)
+    sums = collections.Counter()
+    for batch in batches:
+      acc, acc_e, s = step.backbone(params, encoded, acc, acc_e, batch, total)
+      sums.update({key: float(v) for key, v in jax.device_get(s).items()})
+    return step.encoder_grads(params, images, encoded, acc, acc_e), sums
 
   def _centralized(self, micros, prepare, put):
     """The baseline data path: gather the mini-batch, pickle this consumer's slice
@@ -207,6 +278,7 @@ class Job:
       self.save(force=True)
       self.ckpt.wait()
       self.ckpt.close()
+      self._pool.shutdown(wait=False)
     self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
                                exposed_data_wait_s=self.exposed_wait_s,
@@ -244,16 +316,17 @@ class Job:
       # regenerates exactly the groups an uninterrupted run would have had.
       k, G = self.policy.train_batch, spec.groups_per_batch
       sources = ([s for s, q in sorted(spec.source_quota.items()) for _ in range(q)]
-                 if spec.source_quota else [tasks.SOURCES[p % len(tasks.SOURCES)] for p in range(G)])
+                 if spec.source_quota else [self.sources[p % len(self.sources)] for p in range(G)])
       requests = [(k * G + p, s) for p, s in enumerate(sources) if k * G + p not in self.seen_groups]
       self.next_group = max(self.next_group, (k + 1) * G)
       for s in {s for _, s in requests}:
         self.policy.dispatched(s, sum(src == s for _, src in requests))
       for lo in range(0, len(requests), 16):
         chunk = requests[lo:lo + 16]
-        for trajs in rollout_groups(self.graphdef, self.state.params, self.version, self.cfg.seed,
-                                    chunk, n, self.sampler_cfg):
-          self._finished(writer.append(trajs))
+        for group in rollout_groups(self.graphdef, self.state.params, self.version,
+                                    self.cfg.seed, chunk, n, self.sampler_cfg, self.cfg.suite,
+                                    self.image_shape[0] if self.vision else 0):
+          self._finished(writer.append(group.trajectories, images=group.images))
       while not self.stop_requested and (mb := self.policy.admit(self.version)) is not None:
         self.train(mb)
         self._after_step()
@@ -278,7 +351,8 @@ class Job:
       requests[w] = ctx.Queue()
       p = ctx.Process(target=worker_main, daemon=True, args=(
           w, self.workdir, self.store_url, cfg.seed, spec.group_size, self.model_cfg,
-          self.sampler_cfg, requests[w], reports, stop))
+          self.sampler_cfg, requests[w], reports, stop),
+          kwargs=dict(suite=cfg.suite, vit_config=self.vit_cfg))
       p.start()
       workers[w] = p
 

@@ -70,11 +70,15 @@ class DecoderLM(nnx.Module):
     return self.head(self.norm(x[:, P:])).astype(wide(x.dtype))
 
   # -- incremental decoding (the rollout sampler) -----------------------------
-  def prefill(self, tokens, valid, capacity: int):
+  def prefill(self, tokens, valid, capacity: int, prefix=None):
     """Runs the prompt; returns the last position's logits and a KV cache of
-    `capacity` positions per layer. Prompts are left-padded (`valid` False on pads)."""
-    B, T = tokens.shape
+    `capacity` positions per layer. Prompts are left-padded (`valid` False on pads).
+    A prefix [B, Q, width] (image embeddings) fills cache slots 0..Q-1, as in training."""
     x = self.embed(tokens)
+    if prefix is not None:
+      x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
+      valid = jnp.concatenate([jnp.ones(prefix.shape[:2], bool), valid], axis=1)
+    B, T = x.shape[:2]
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     caches = []

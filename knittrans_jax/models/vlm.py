@@ -26,9 +26,27 @@ class VLM(nnx.Module):
   def decode(self, image_embeds, tokens, attention_mask):
     return self.decoder(tokens, attention_mask, prefix=image_embeds)
 
+  # -- incremental decoding (the rollout sampler) -----------------------------
+  def prefill(self, tokens, valid, capacity: int, images=None, image_index=None):
+    """The decoder's prefill with the image embeddings as prefix. `image_index` [B]
+    picks each row's image from `images` [U, ...], so a group's n responses encode
+    their shared image once."""
+    embeds = self.encode(images)
+    if image_index is not None:
+      embeds = embeds[image_index]
+    return self.decoder.prefill(tokens, valid, capacity, prefix=embeds)
+
+  def decode_step(self, token, position, caches, index, key_valid):
+    return self.decoder.decode_step(token, position, caches, index, key_valid)
+
   def __call__(self, images, tokens, attention_mask):
     return self.decode(self.encode(images), tokens, attention_mask)
 
 
 def vlm_forward(model, batch):
   return model(batch["images"], batch["tokens"], batch["attention_mask"])
+
+
+def make_model(lm: DecoderConfig, vit: ViTConfig | None, rngs: nnx.Rngs) -> nnx.Module:
+  """The policy: a VLM when there is a vision encoder config, else the text decoder."""
+  return VLM(vit, lm, rngs) if vit is not None else DecoderLM(lm, rngs)

@@ -43,13 +43,20 @@ def _top_p_filter(logits, top_p):
 
 
 @partial(jax.jit, static_argnames=("graphdef", "config"))
-def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig):
+def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, images=None,
+              image_index=None):
   model = nnx.merge(graphdef, params)
   B, P = prompts.shape
   N = config.max_new_tokens
-  logits, caches = model.prefill(prompts, valid, P + N)
-  key_valid = jnp.concatenate([valid, jnp.zeros((B, N), bool)], axis=1)
-  start = valid.sum(axis=1).astype(jnp.int32)
+  if images is None:
+    Q = 0
+    logits, caches = model.prefill(prompts, valid, P + N)
+  else:  # a VLM: the image embeddings take cache slots 0..Q-1
+    Q = model.encoder.config.num_patches
+    logits, caches = model.prefill(prompts, valid, Q + P + N, images, image_index)
+  key_valid = jnp.concatenate([jnp.ones((B, Q), bool), valid, jnp.zeros((B, N), bool)], axis=1)
+  start = Q + valid.sum(axis=1).astype(jnp.int32)
+  P = Q + P  # decode slots follow the prefix and the prompt
   stops = jnp.asarray(config.stop_tokens, jnp.int32)
 
   def body(carry, t):
@@ -85,11 +92,19 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 
 
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
-             config: SamplerConfig, prompt_len: int | None = None
+             config: SamplerConfig, prompt_len: int | None = None,
+             images: np.ndarray | None = None, image_index: np.ndarray | None = None
              ) -> list[tuple[np.ndarray, np.ndarray]]:
-  """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays."""
+  """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
+
+  For a VLM, `images` [U, H, W, C] are encoded once each and row i sees
+  images[image_index[i]]."""
   tokens, valid = left_pad(prompts, length=prompt_len)
+  extra = {}
+  if images is not None:
+    index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
+    extra = dict(images=jnp.asarray(images), image_index=jnp.asarray(index, jnp.int32))
   out_t, out_lp, lengths = jax.device_get(
-      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config))
+      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config, **extra))
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
           for i in range(len(prompts))]

@@ -14,20 +14,20 @@ import traceback
 
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
-                max_groups_per_call: int = 4) -> None:
+                max_groups_per_call: int = 4, suite: str = "text", vit_config=None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = ""  # one device per worker
   from flax import nnx
 
-  from knittrans_jax.models import DecoderLM
+  from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.groups import rollout_groups
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
 
   try:
     with nnx.use_eager_sharding(False):
-      model = DecoderLM(model_config, nnx.Rngs(0))
+      model = make_model(model_config, vit_config, nnx.Rngs(0))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
@@ -54,9 +54,12 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
         version, params = update
       if params is None:
         raise RuntimeError("no published weights to generate with")
-      for trajs in rollout_groups(graphdef, params, version, seed, batch, n, sampler_config):
-        metas = writer.append(trajs)  # committed before it is reported
-        reports.put(("done", worker_id, trajs[0].group_id, metas))
+      image_size = vit_config.image_size if vit_config is not None else 0
+      for group in rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
+                                  suite, image_size):
+        # The group's image is stored once, however many responses share it.
+        metas = writer.append(group.trajectories, images=group.images)  # committed, then reported
+        reports.put(("done", worker_id, group.trajectories[0].group_id, metas))
   except Exception:  # reported, then the process exits non-zero
     reports.put(("error", worker_id, traceback.format_exc()))
     raise

@@ -6,7 +6,9 @@ A text batch is a dict of
   loss_mask       float32 [B, T]  1 on response tokens that train
   behaviour_logp  float32 [B, T]  log-prob of each token under the rollout policy
   advantages      float32 [B]
-and a VLM batch adds images float32 [B, H, W, C].
+and a VLM batch adds images float32 [B, H, W, C] (the naive step: one image per
+row) or image_index int32 [B] (the encode-once step: each row's slot among the
+mini-batch's unique images, multimodal/).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ SPEC = {  # name: (dtype kind, rank)
     "tokens": ("iu", 2), "attention_mask": ("bui", 2), "loss_mask": ("fbui", 2),
     "behaviour_logp": ("f", 2), "advantages": ("f", 1),
 }
-OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2)}
+OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2), "image_index": ("iu", 1)}
 
 
 class BadBatchError(ValueError):
@@ -49,8 +51,8 @@ def check_batch(batch: dict, vocab_size: int, rows_multiple: int = 1) -> None:
   if lo < 0 or hi >= vocab_size:
     raise BadBatchError(f"batch['tokens'] holds ids in [{lo}, {hi}], outside the vocabulary "
                         f"[0, {vocab_size})")
-  for name in ("behaviour_logp", "advantages"):
-    if not np.isfinite(np.asarray(batch[name])).all():
+  for name in ("behaviour_logp", "advantages", "images"):
+    if name in batch and not np.isfinite(np.asarray(batch[name])).all():
       raise BadBatchError(f"batch['{name}'] holds NaN or inf")
 
 

@@ -1,0 +1,37 @@
+"""One consumer's image slots of a mini-batch as a [S, H, W, C] array: each owned
+image read once, from the storage unit that holds it; padding slots are zero."""
+from __future__ import annotations
+
+import numpy as np
+
+from knittrans_jax.multimodal.image_plan import ImagePlan
+from knittrans_jax.storage import TrajectoryStore
+
+
+def slots_from_images(plan: ImagePlan, consumer: int, images: dict, image_shape,
+                      dtype=np.float32) -> np.ndarray:
+  """This consumer's slots from images already at hand (id -> array)."""
+  ids = plan.consumer_slots(consumer)
+  out = np.zeros((len(ids), *image_shape), dtype)
+  for s, iid in enumerate(ids):
+    if iid is None:
+      continue
+    if iid not in images:
+      raise KeyError(f"slot {s} of consumer {consumer} holds image {iid}, which was not read")
+    image = images[iid]
+    if image.shape != tuple(image_shape):
+      raise ValueError(f"image {iid} has shape {image.shape}; the encoder takes {tuple(image_shape)}")
+    out[s] = image
+  return out
+
+
+def read_slot_images(store: TrajectoryStore, plan: ImagePlan, consumer: int, image_shape,
+                     dtype=np.float32) -> np.ndarray:
+  """One batched read of the images `consumer` owns (plus the small sequence records
+  of the rows that locate them; no other image)."""
+  owned = plan.owned[consumer]
+  images = {}
+  if owned:
+    others = set(plan.source) - set(owned)
+    images = store.read([plan.source[i] for i in owned], skip_images=others).result().images
+  return slots_from_images(plan, consumer, images, image_shape, dtype)
