@@ -91,3 +91,23 @@ def test_bench_transfer_writes_its_json(tmp_path):
   assert r["bytes_moved"]["baseline"] > r["bytes_moved"]["ondemand"] > 0
   assert r["exposed_ratio"] > 0 and r["raw_ratio"] > 0
   assert r["trajectories"] == 32
+
+
+@pytest.mark.slow
+def test_bench_multimodal_writes_its_json(tmp_path):
+  out = tmp_path / "mm.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_multimodal.py", "--json", str(out),
+                         "--image", "56", "--prompts", "4", "--n", "4", "--micro", "8",
+                         "--mini_batches", "1", "--seq", "16", "--vit_width", "32",
+                         "--lm_width", "32"], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  for key in ("baseline_s", "knittrans_s"):
+    assert r[key] > 0, key
+  assert r["speedup"] == pytest.approx(r["baseline_s"] / r["knittrans_s"])
+  assert r["ablation"]["dedup_only_s"] > 0 and r["ablation"]["ondemand_only_s"] > 0
+  assert r["grad_max_rel_err"] <= 1e-5
+  # 4 prompts x n = 4 over 2 consumers (2 whole groups each): 16 images through the
+  # naive encoder, 4 (one per unique image) through the encode-once step.
+  assert r["encoder_forwards"] == {"baseline": 16, "knittrans": 4, "unique_images": 4}
+  assert "speedup" in proc.stdout

@@ -22,15 +22,26 @@ class ViTConfig:
   mlp_width: int = 128
   dropout: float = 0.0  # > 0 makes the encoder stochastic (refused by encode-once)
   dtype: str = "float32"
+  # The projector concatenates merge x merge neighbouring patches into one LM token
+  # (Qwen2-VL's 2 x 2 merge: a 448 image, 14-pixel patches -> 1024 ViT, 256 LM tokens).
+  merge: int = 1
 
   def __post_init__(self):
     if self.image_size % self.patch_size:
       raise ValueError(f"ViTConfig: image_size {self.image_size} is not a multiple of "
                        f"patch_size {self.patch_size}")
+    if self.merge < 1 or (self.image_size // self.patch_size) % self.merge:
+      raise ValueError(f"ViTConfig.merge = {self.merge} must be >= 1 and divide the "
+                       f"{self.image_size // self.patch_size} patches per side")
 
   @property
   def num_patches(self) -> int:
     return (self.image_size // self.patch_size) ** 2
+
+  @property
+  def num_tokens(self) -> int:
+    """Image tokens the language model sees per image."""
+    return self.num_patches // self.merge ** 2
 
 
 class ViTEncoder(nnx.Module):
@@ -64,11 +75,19 @@ class ViTEncoder(nnx.Module):
 
 
 class Projector(nnx.Module):
-  """ViT features -> the language model's width (two layers, GELU)."""
+  """ViT features [B, patches, din] -> LM tokens [B, patches / merge^2, dout]: each
+  merge x merge block of neighbouring patches is concatenated, then two layers, GELU."""
 
-  def __init__(self, din: int, dout: int, rngs: nnx.Rngs, dtype="float32"):
-    self.fc1 = dense(rngs, din, dout, (None, "embed"), jnp.dtype(dtype))
+  def __init__(self, din: int, dout: int, rngs: nnx.Rngs, dtype="float32", merge: int = 1):
+    self.merge = merge
+    self.fc1 = dense(rngs, din * merge * merge, dout, (None, "embed"), jnp.dtype(dtype))
     self.fc2 = dense(rngs, dout, dout, ("mlp", "embed"), jnp.dtype(dtype))
 
   def __call__(self, x):
+    m = self.merge
+    if m > 1:
+      B, N, D = x.shape
+      g = int(round(N ** 0.5))
+      x = x.reshape(B, g // m, m, g // m, m, D).transpose(0, 1, 3, 2, 4, 5)
+      x = x.reshape(B, (g // m) ** 2, m * m * D)
     return self.fc2(nnx.gelu(self.fc1(x)))

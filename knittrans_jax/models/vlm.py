@@ -16,11 +16,11 @@ class VLM(nnx.Module):
 
   def __init__(self, vit: ViTConfig, lm: DecoderConfig, rngs: nnx.Rngs):
     self.encoder = ViTEncoder(vit, rngs)
-    self.projector = Projector(vit.width, lm.width, rngs, lm.dtype)
+    self.projector = Projector(vit.width, lm.width, rngs, lm.dtype, vit.merge)
     self.decoder = DecoderLM(lm, rngs)
 
   def encode(self, images):
-    """Projected image embeddings [B, num_patches, lm width]."""
+    """Projected image embeddings [B, num_tokens, lm width]."""
     return self.projector(self.encoder(images))
 
   def decode(self, image_embeds, tokens, attention_mask):

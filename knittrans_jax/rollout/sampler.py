@@ -52,7 +52,7 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     Q = 0
     logits, caches = model.prefill(prompts, valid, P + N)
   else:  # a VLM: the image embeddings take cache slots 0..Q-1
-    Q = model.encoder.config.num_patches
+    Q = model.encoder.config.num_tokens
     logits, caches = model.prefill(prompts, valid, Q + P + N, images, image_index)
   key_valid = jnp.concatenate([jnp.ones((B, Q), bool), valid, jnp.zeros((B, N), bool)], axis=1)
   start = Q + valid.sum(axis=1).astype(jnp.int32)

@@ -1,0 +1,420 @@
+"""Multimodal benchmark: transfer plus training per mini-batch, four ways, one run.
+
+  python scripts/bench_multimodal.py --json runs/bench_multimodal.json
+  python scripts/bench_multimodal.py --json runs/bench_multimodal_sweep.json --sweep
+
+A real store on disk (file://, 4 producer units) holds --mini_batches mini-batches
+of --prompts GRPO groups, n responses each, one float32 image of --image x --image
+x 3 per prompt, stored once. --consumers consumer processes (one CPU device each)
+split every mini-batch (plan_micro_batches; whole groups per consumer) and each
+takes a full optimizer step of the tiny VLM (ViT + projector + decoder, the widths
+of configs/vlm_grpo_tiny.gin; 14-pixel patches and a 2 x 2 merge as in Qwen2-VL, so
+a 448 image is 1024 ViT tokens and 256 LM tokens) on its share: GRPO loss, grads over its micro-batches, AdamW update. The
+cross-consumer gradient all-reduce is left out: it is the same in all four variants.
+
+  baseline       centralized transfer (a driver gathers the train batch, copies the
+                 image into every trajectory, pickles each consumer's slice through
+                 a pipe; compute starts when it has arrived) + the naive step (the
+                 encoder runs on every trajectory's image in every micro-batch)
+  dedup_only     the same transfer + the encode-once step (images deduplicated by id
+                 on arrival, encoded once per mini-batch, one encoder VJP)
+  ondemand_only  on-demand reads (each consumer reads its own micro-batches from the
+                 units, each image once, prefetching while it computes) + the naive step
+  knittrans      on-demand reads of the micro-batches and, once, of the consumer's
+                 image slots + the encode-once step
+
+Each variant's time is from its go signal until every consumer has applied its last
+update, divided by the number of mini-batches; the max over consumers is reported.
+Everything is compiled before any timing. Before timing, consumer 0 also computes
+one mini-batch's gradient both ways on the same data (grad_max_rel_err: the largest
+per-parameter max|dedup - naive| / max|naive|) and every consumer counts the images
+its encoder runs on for one mini-batch (encoder_forwards, summed over consumers).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+from tqdm import tqdm
+
+VOCAB = 64
+VARIANTS = ("baseline", "dedup_only", "ondemand_only", "knittrans")
+
+
+def build_store(root, args, seed=0):
+  from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
+  from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
+  rng = np.random.default_rng(seed)
+  store = TrajectoryStore.create("file://" + root, StoreSchema(
+      sources=("vqa",), max_prompt_len=args.seq, max_response_len=args.seq))
+  writers = [store.writer(f"producer{p}", host=f"host{p % 2}") for p in range(4)]
+  batches = []
+  for k in range(args.mini_batches):
+    groups = []
+    for g in range(args.prompts):
+      gid = k * args.prompts + g
+      img = rng.random((args.image, args.image, 3), dtype=np.float32)
+      P = args.seq // 4
+      prompt = rng.integers(2, VOCAB, P, dtype=np.int32)
+      trajs = []
+      for i in range(args.n):
+        R = int(np.clip(rng.lognormal(np.log(args.seq / 2), 0.4), 4, args.seq - P))
+        trajs.append(Trajectory(prompt_tokens=prompt,
+                                response_tokens=rng.integers(2, VOCAB, R, dtype=np.int32),
+                                logprobs=-rng.uniform(3.5, 4.5, R).astype(np.float32),
+                                loss_mask=np.ones(R, bool), reward=float(rng.random()),
+                                source="vqa", group_id=gid, index_in_group=i, versions=(0,),
+                                image_ids=(image_id(img),)))
+      metas = writers[gid % len(writers)].append(trajs, images=[img])
+      groups.append(GroupInfo(gid, "vqa", sum(m.length for m in metas), 0,
+                              rewards=tuple(m.reward for m in metas), metas=tuple(metas)))
+    batches.append(MiniBatch(0, k, tuple(groups), 0))
+  return store, batches
+
+
+def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
+  """plans[k]: this consumer's micro-batches (TrajMeta lists) of mini-batch k."""
+  os.environ["XLA_FLAGS"] = ""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  import jax.numpy as jnp
+
+  from knittrans_jax.dataplane import PrefetchingReader
+  from knittrans_jax.dataplane import centralized as C
+  from knittrans_jax.job.batching import build_batch, group_advantages_by_id
+  from knittrans_jax.models import DecoderConfig, ViTConfig
+  from knittrans_jax.models.vlm import VLM
+  from knittrans_jax.multimodal import (EncodeOnceStep, EncoderCalls, naive_vlm_forward,
+                                        plan_images, read_slot_images, slots_from_images)
+  from knittrans_jax.rl import LossConfig
+  from knittrans_jax.storage import TrajectoryStore
+  from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
+                                   make_mesh, make_optimizer)
+  from knittrans_jax.types import GroupInfo
+
+  a = argparse.Namespace(**args_dict)
+  vit = ViTConfig(image_size=a.image, patch_size=a.patch, width=a.vit_width, depth=2, heads=4,
+                  mlp_width=2 * a.vit_width, merge=a.merge)
+  lm = DecoderConfig(vocab_size=VOCAB, width=a.lm_width, depth=2, heads=4, mlp_width=2 * a.lm_width)
+  mesh_cfg = MeshConfig()
+  mesh = make_mesh(mesh_cfg)
+  tx = make_optimizer(OptimizerConfig(learning_rate=1e-4))
+  model_fn = lambda r: VLM(vit, lm, r)  # noqa: E731
+  graphdef, state0, sh = init_train_state(model_fn, tx, mesh, mesh_cfg.rules, 0)
+  calls = EncoderCalls()
+  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
+                      forward=naive_vlm_forward())
+  step = EncodeOnceStep(fns)
+  counted_fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
+                              forward=naive_vlm_forward(calls))
+  counted_step = EncodeOnceStep(fns, calls=calls)
+  rows, shape = a.micro, (a.image, a.image, 3)
+  slots_per = max(len({m.image_ids[0] for mi in plan for m in mi}) for plan in plans)
+  iplans = [plan_images([plan], min_slots=slots_per) for plan in plans]
+  advs = []
+  for plan in plans:
+    groups = {}
+    for mi in plan:
+      for m in mi:
+        groups.setdefault(m.group_id, []).append(m)
+    # GRPO advantages need the whole group; groups split over consumers use their
+    # rows here (the same in every variant).
+    advs.append(group_advantages_by_id([GroupInfo(g, "vqa", 0, 0, metas=tuple(ms))
+                                        for g, ms in groups.items()]))
+  totals = [sum(m.response_len for mi in plan for m in mi) for plan in plans]
+
+  def prepare(k, payload, dedup):
+    batch = build_batch(payload, advs[k], a.seq, rows)
+    if dedup:
+      slot = {iid: s for s, iid in enumerate(iplans[k].slots) if iid is not None}
+      index = np.zeros(rows, np.int32)
+      index[:len(payload.metas)] = [slot[m.image_ids[0]] for m in payload.metas]
+      batch["image_index"] = index
+    else:
+      images = np.zeros((rows, *shape), np.float32)
+      for i, m in enumerate(payload.metas):
+        images[i] = payload.images[m.image_ids[0]]
+      batch["images"] = images
+    return batch
+
+  def put(batch):
+    return {key: jax.device_put(v) for key, v in batch.items()}
+
+  def naive_mb(state, batches, total, f=fns):
+    acc = f.zero_grads(state.params)
+    for b in batches:
+      g, _ = f.grad_step(state, b, total)
+      acc = f.accumulate(acc, g)
+    return acc
+
+  def dedup_mb(state, slots, batches, total, s=step):
+    return s.mini_batch_grads(state.params, jax.device_put(slots, s.images_sharding), batches,
+                              total)[0]
+
+  def fresh():
+    return jax.tree.map(jnp.copy, state0)
+
+  # -- compile everything on this consumer's first mini-batch (from memory) ------
+  store = TrajectoryStore.open(store_url)
+  for unit in store.units():
+    store.reader(unit)
+  p0 = store.read([m for mi in plans[0] for m in mi]).result()
+  by_id = {m.id: i for i, m in enumerate(p0.metas)}
+
+  def sub(payload, micro):
+    from knittrans_jax.types import Payload
+    idx = [by_id[m.id] for m in micro]
+    return Payload(list(micro), [payload.tokens[i] for i in idx], [payload.logprobs[i] for i in idx],
+                   [payload.loss_mask[i] for i in idx],
+                   {m.image_ids[0]: payload.images[m.image_ids[0]] for m in micro})
+  naive0 = [put(prepare(0, sub(p0, mi), False)) for mi in plans[0]]
+  dedup0 = [put(prepare(0, sub(p0, mi), True)) for mi in plans[0]]
+  slots0 = slots_from_images(iplans[0], 0, p0.images, shape)
+  st = fresh()
+  jax.block_until_ready(fns.apply_step(st, naive_mb(st, naive0, totals[0]))[0])
+  st = fresh()
+  jax.block_until_ready(fns.apply_step(st, dedup_mb(st, slots0, dedup0, totals[0]))[0])
+  # -- exactness and encoder counts (untimed) ---------------------------------------
+  want = naive_mb(state0, naive0, totals[0], counted_fns)
+  jax.effects_barrier()
+  naive_forwards = calls.forward_images
+  calls.reset()
+  got = dedup_mb(state0, slots0, dedup0, totals[0], counted_step)
+  jax.effects_barrier()
+  dedup_forwards, dedup_real = calls.forward_images, iplans[0].num_unique
+  err = 0.0
+  for g, w in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want))):
+    err = max(err, float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30)))
+  results.put(("check", rank, {"grad_max_rel_err": err, "naive_forwards": naive_forwards,
+                               "dedup_forwards": dedup_forwards, "unique_images": dedup_real}))
+  ready.wait()
+  results.put(("ready", rank))
+
+  for variant in VARIANTS:
+    go[variant].wait()
+    t0 = time.perf_counter()
+    state = fresh()
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    dedup = variant in ("dedup_only", "knittrans")
+    exposed = 0.0
+    if variant in ("baseline", "dedup_only"):
+      data = conn.recv_bytes()
+      received = C.deserialize(data)  # [mini-batch][micro-batch] samples, images repeated
+      exposed = time.perf_counter() - t0
+      for k, plan in enumerate(plans):
+        payloads = [C.to_payload(s) for s in received[k]]
+        batches = [put(prepare(k, p, dedup)) for p in payloads]
+        if dedup:
+          images = {}
+          for p in payloads:
+            images.update(p.images)
+          grads = dedup_mb(state, slots_from_images(iplans[k], 0, images, shape), batches, totals[k])
+        else:
+          grads = naive_mb(state, batches, totals[k])
+        state, _ = fns.apply_step(state, grads)
+    else:
+      for k, plan in enumerate(plans):
+        if dedup:
+          import concurrent.futures
+          with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(read_slot_images, store, iplans[k], 0, shape)
+            reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, True), a.depth,
+                                       put, read_images=False)
+            t1 = time.perf_counter()
+            slots = pending.result()
+            exposed += time.perf_counter() - t1
+          grads = dedup_mb(state, slots, reader, totals[k])
+        else:
+          reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, False), a.depth, put)
+          grads = naive_mb(state, reader, totals[k])
+        reader.close()
+        exposed += reader.stats.exposed_wait_s
+        state, _ = fns.apply_step(state, grads)
+    jax.block_until_ready(state)
+    results.put((variant, rank, {"total_s": time.perf_counter() - t0, "exposed_s": exposed}))
+
+
+def run_point(args) -> dict:
+  from knittrans_jax.dataplane import centralized as C
+  from knittrans_jax.dataplane import plan_micro_batches
+
+  base = args.dir or tempfile.mkdtemp(prefix="bench_multimodal_")
+  root = os.path.join(os.path.abspath(base), "store")
+  shutil.rmtree(root, ignore_errors=True)
+  t0 = time.perf_counter()
+  store, batches = build_store(root, args)
+  print(f"store written in {time.perf_counter() - t0:.1f} s", flush=True)
+  plans = [[] for _ in range(args.consumers)]  # plans[c][k] = micro-batches of mini-batch k
+  for mb in batches:
+    plan = plan_micro_batches(mb, args.consumers, args.micro)
+    for c in range(args.consumers):
+      plans[c].append([list(m) for m in plan.consumers[c]])
+  all_metas = [m for mb in batches for grp in mb.groups for m in grp.metas]
+  for unit in store.units():
+    store.reader(unit)
+  ctx = mp.get_context("spawn")
+  results, ready = ctx.Queue(), ctx.Event()
+  go = {v: ctx.Event() for v in VARIANTS}
+  pipes = [ctx.Pipe() for _ in range(args.consumers)]
+  procs = [ctx.Process(target=consumer, args=(c, store.url, plans[c], vars(args), pipes[c][1],
+                                              results, go, ready))
+           for c in range(args.consumers)]
+  for p in procs:
+    p.start()
+  checks = {}
+  while len(checks) < args.consumers:
+    kind, rank, r = results.get(timeout=1800)
+    assert kind == "check", kind
+    checks[rank] = r
+  ready.set()
+  for _ in range(args.consumers):
+    assert results.get(timeout=600)[0] == "ready"
+  timings = {}
+  for variant in tqdm(VARIANTS, desc="variants", leave=False):
+    go[variant].set()
+    if variant in ("baseline", "dedup_only"):
+      # The driver: gather the train batch, slice per consumer with the image copied
+      # into every trajectory, pickle, send (the consumer waits for all of it).
+      payload = C.gather(store, all_metas)
+      for c in range(args.consumers):
+        slices = [C.consumer_slice(payload, plans[c][k]) for k in range(len(plans[c]))]
+        pipes[c][0].send_bytes(C.serialize(slices))
+      del payload
+    res = {}
+    while len(res) < args.consumers:
+      kind, rank, r = results.get(timeout=3600)
+      assert kind == variant, (kind, variant)
+      res[rank] = r
+    timings[variant] = res
+  for p in procs:
+    p.join(timeout=60)
+  if args.dir is None:
+    shutil.rmtree(base, ignore_errors=True)
+  per_mb = {v: max(r["total_s"] for r in timings[v].values()) / args.mini_batches for v in VARIANTS}
+  out = {
+      "config": {k: v for k, v in vars(args).items() if k not in ("json", "dir", "sweep")},
+      "cpu_count": os.cpu_count(),
+      "baseline_s": per_mb["baseline"],
+      "knittrans_s": per_mb["knittrans"],
+      "speedup": per_mb["baseline"] / per_mb["knittrans"],
+      "ablation": {"dedup_only_s": per_mb["dedup_only"], "ondemand_only_s": per_mb["ondemand_only"]},
+      "exposed_s": {v: max(r["exposed_s"] for r in timings[v].values()) / args.mini_batches
+                    for v in VARIANTS},
+      "grad_max_rel_err": max(c["grad_max_rel_err"] for c in checks.values()),
+      "encoder_forwards": {"baseline": sum(c["naive_forwards"] for c in checks.values()),
+                           "knittrans": sum(c["dedup_forwards"] for c in checks.values()),
+                           "unique_images": sum(c["unique_images"] for c in checks.values())},
+      "per_consumer": timings,
+  }
+  return out
+
+
+def print_point(out):
+  c = out["config"]
+  print(f"\nmultimodal, per mini-batch: {c['prompts']} prompts x n = {c['n']}, {c['image']}^2 "
+        f"images, {c['consumers']} consumers, {out['cpu_count']} cores")
+  for name, key in (("baseline", "baseline_s"), ("knittrans", "knittrans_s")):
+    print(f"  {name:<15}{out[key]:>9.3f} s")
+  for name in ("dedup_only", "ondemand_only"):
+    print(f"  {name:<15}{out['ablation'][name + '_s']:>9.3f} s")
+  print(f"  speedup {out['speedup']:.2f}  grad_max_rel_err {out['grad_max_rel_err']:.2e}  "
+        f"encoder forwards {out['encoder_forwards']['baseline']} -> "
+        f"{out['encoder_forwards']['knittrans']}")
+
+
+SWEEP = [  # (name, overrides): one knob at a time around the default
+    ("n", "n", [2, 4, 8, 16]),
+    ("image", "image", [224, 448, 672]),
+    ("vit_width", "vit_width", [32, 64, 128]),
+    ("lm_width", "lm_width", [64, 128, 256, 512]),
+]
+
+
+def sweep(args):
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  points = []
+  for name, key, values in SWEEP:
+    for v in values:
+      tmp = tempfile.mktemp(suffix=".json")
+      cmd = [sys.executable, __file__, "--json", tmp]
+      for k, val in vars(args).items():
+        if k in ("json", "dir", "sweep") or val is None:
+          continue
+        cmd += [f"--{k}", str(v if k == key else val)]
+      print(f"sweep {key} = {v}", flush=True)
+      subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+      with open(tmp) as f:
+        r = json.load(f)
+      os.remove(tmp)
+      points.append({"knob": key, "value": v, "speedup": r["speedup"], "baseline_s": r["baseline_s"],
+                     "knittrans_s": r["knittrans_s"], **r["ablation"],
+                     "grad_max_rel_err": r["grad_max_rel_err"]})
+  fig, axes = plt.subplots(1, len(SWEEP), figsize=(4 * len(SWEEP), 3.4))
+  for ax, (name, key, values) in zip(axes, SWEEP):
+    pts = [p for p in points if p["knob"] == key]
+    xs = [p["value"] for p in pts]
+    ax.plot(xs, [p["speedup"] for p in pts], "o-", label="knittrans")
+    ax.plot(xs, [p["baseline_s"] / p["dedup_only_s"] for p in pts], "s--", label="dedup only")
+    ax.plot(xs, [p["baseline_s"] / p["ondemand_only_s"] for p in pts], "^--", label="on-demand only")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [str(x) for x in xs])
+    ax.set_xlabel(key)
+    ax.set_ylabel("speedup vs baseline")
+  axes[0].legend(fontsize=8)
+  fig.suptitle("transfer + training per mini-batch (scripts/bench_multimodal.py --sweep)")
+  fig.tight_layout()
+  png = os.path.splitext(args.json)[0] + ".png"
+  fig.savefig(png, dpi=120)
+  print(f"wrote {png}")
+  return {"points": points, "default": {k: v for k, v in vars(args).items()
+                                        if k not in ("json", "dir", "sweep")}}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--json", required=True)
+  parser.add_argument("--consumers", type=int, default=2)
+  parser.add_argument("--prompts", type=int, default=16, help="prompts (groups) per mini-batch")
+  parser.add_argument("--n", type=int, default=8, help="responses per prompt")
+  parser.add_argument("--mini_batches", type=int, default=2)
+  parser.add_argument("--micro", type=int, default=16, help="trajectories per micro-batch")
+  parser.add_argument("--seq", type=int, default=64, help="text tokens per row (prompt + response)")
+  parser.add_argument("--image", type=int, default=448, help="image side, pixels")
+  parser.add_argument("--patch", type=int, default=14, help="ViT patch side, pixels")
+  parser.add_argument("--merge", type=int, default=2,
+                      help="m x m patches -> one LM token (448, 14, 2: 1024 ViT, 256 LM tokens)")
+  parser.add_argument("--vit_width", type=int, default=64)
+  parser.add_argument("--lm_width", type=int, default=64)
+  parser.add_argument("--depth", type=int, default=2, help="micro-batches read ahead")
+  parser.add_argument("--dir", default=None)
+  parser.add_argument("--sweep", action="store_true", help="one knob at a time; JSON + PNG")
+  args = parser.parse_args()
+  if args.image % (args.patch * args.merge):
+    parser.error(f"--image {args.image} is not a multiple of --patch {args.patch} x --merge "
+                 f"{args.merge}")
+  if args.sweep:
+    out = sweep(args)
+  else:
+    out = run_point(args)
+    print_point(out)
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump(out, f, indent=1)
+  print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+  main()
