@@ -36,6 +36,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import shutil
 import subprocess
 import sys
@@ -80,6 +81,40 @@ def build_store(root, args, seed=0):
   return store, batches
 
 
+def vlm_configs(a):
+  from knittrans_jax.models import DecoderConfig, ViTConfig
+  vit = ViTConfig(image_size=a.image, patch_size=a.patch, width=a.vit_width, depth=2, heads=4,
+                  mlp_width=2 * a.vit_width, merge=a.merge)
+  lm = DecoderConfig(vocab_size=VOCAB, width=a.lm_width, depth=2, heads=4, mlp_width=2 * a.lm_width)
+  return vit, lm
+
+
+def model_flops(a) -> dict:
+  """Forward FLOPs from XLA's cost analysis: the encoder (ViT + projector) on one
+  image, the backbone (decoder with the image tokens as prefix) on one row. The
+  encoder's share of the naive step's compute is about e / (e + b) (backward ~ 2x
+  forward for both)."""
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from knittrans_jax.models.vlm import VLM
+  vit, lm = vlm_configs(a)
+  with nnx.use_eager_sharding(False):
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: VLM(vit, lm, nnx.Rngs(0))), nnx.Param)
+
+  def flops(fn, *args):
+    cost = jax.jit(fn).lower(params, *args).compile().cost_analysis()
+    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
+  e = flops(lambda p, x: nnx.merge(graphdef, p).encode(x),
+            jax.ShapeDtypeStruct((1, a.image, a.image, 3), jnp.float32))
+  b = flops(lambda p, x, t, m: nnx.merge(graphdef, p).decode(x, t, m),
+            jax.ShapeDtypeStruct((1, vit.num_tokens, lm.width), jnp.float32),
+            jax.ShapeDtypeStruct((1, a.seq), jnp.int32), jax.ShapeDtypeStruct((1, a.seq), jnp.bool_))
+  return {"encoder_fwd_per_image": e, "backbone_fwd_per_row": b, "encoder_share_naive": e / (e + b),
+          "vit_tokens": vit.num_patches, "lm_image_tokens": vit.num_tokens}
+
+
 def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
   """plans[k]: this consumer's micro-batches (TrajMeta lists) of mini-batch k."""
   os.environ["XLA_FLAGS"] = ""
@@ -90,7 +125,6 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
   from knittrans_jax.dataplane import PrefetchingReader
   from knittrans_jax.dataplane import centralized as C
   from knittrans_jax.job.batching import build_batch, group_advantages_by_id
-  from knittrans_jax.models import DecoderConfig, ViTConfig
   from knittrans_jax.models.vlm import VLM
   from knittrans_jax.multimodal import (EncodeOnceStep, EncoderCalls, naive_vlm_forward,
                                         plan_images, read_slot_images, slots_from_images)
@@ -101,9 +135,7 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
   from knittrans_jax.types import GroupInfo
 
   a = argparse.Namespace(**args_dict)
-  vit = ViTConfig(image_size=a.image, patch_size=a.patch, width=a.vit_width, depth=2, heads=4,
-                  mlp_width=2 * a.vit_width, merge=a.merge)
-  lm = DecoderConfig(vocab_size=VOCAB, width=a.lm_width, depth=2, heads=4, mlp_width=2 * a.lm_width)
+  vit, lm = vlm_configs(a)
   mesh_cfg = MeshConfig()
   mesh = make_mesh(mesh_cfg)
   tx = make_optimizer(OptimizerConfig(learning_rate=1e-4))
@@ -270,14 +302,27 @@ def run_point(args) -> dict:
            for c in range(args.consumers)]
   for p in procs:
     p.start()
+  def get():
+    """The next consumer report; a consumer that died (e.g. out of memory) is named."""
+    while True:
+      try:
+        return results.get(timeout=1.0)
+      except queue.Empty:
+        for c, p in enumerate(procs):
+          if not p.is_alive() and p.exitcode != 0:
+            for q in procs:
+              q.kill()
+            raise RuntimeError(f"consumer {c} died with exit code {p.exitcode} (a negative "
+                               "code is the signal, e.g. -9 when out of memory)")
+
   checks = {}
   while len(checks) < args.consumers:
-    kind, rank, r = results.get(timeout=1800)
+    kind, rank, r = get()
     assert kind == "check", kind
     checks[rank] = r
   ready.set()
   for _ in range(args.consumers):
-    assert results.get(timeout=600)[0] == "ready"
+    assert get()[0] == "ready"
   timings = {}
   for variant in tqdm(VARIANTS, desc="variants", leave=False):
     go[variant].set()
@@ -291,7 +336,7 @@ def run_point(args) -> dict:
       del payload
     res = {}
     while len(res) < args.consumers:
-      kind, rank, r = results.get(timeout=3600)
+      kind, rank, r = get()
       assert kind == variant, (kind, variant)
       res[rank] = r
     timings[variant] = res
@@ -313,6 +358,7 @@ def run_point(args) -> dict:
       "encoder_forwards": {"baseline": sum(c["naive_forwards"] for c in checks.values()),
                            "knittrans": sum(c["dedup_forwards"] for c in checks.values()),
                            "unique_images": sum(c["unique_images"] for c in checks.values())},
+      "flops": model_flops(args),
       "per_consumer": timings,
   }
   return out
@@ -333,7 +379,7 @@ def print_point(out):
 
 SWEEP = [  # (name, overrides): one knob at a time around the default
     ("n", "n", [2, 4, 8, 16]),
-    ("image", "image", [224, 448, 672]),
+    ("image", "image", [224, 336, 448, 560]),
     ("vit_width", "vit_width", [32, 64, 128]),
     ("lm_width", "lm_width", [64, 128, 256, 512]),
 ]
@@ -343,23 +389,41 @@ def sweep(args):
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  points = []
-  for name, key, values in SWEEP:
+  points, done = [], {}
+  # Finished points are kept next to the JSON until the sweep completes, so an
+  # interrupted sweep resumes where it stopped.
+  cache_path = os.path.splitext(args.json)[0] + ".points.jsonl"
+  if os.path.exists(cache_path):
+    with open(cache_path) as f:
+      for line in f:
+        rec = json.loads(line)
+        done[tuple(sorted(rec["point"].items()))] = rec["result"]
+  for name, key, values in tqdm(SWEEP, desc="sweep"):
     for v in values:
-      tmp = tempfile.mktemp(suffix=".json")
-      cmd = [sys.executable, __file__, "--json", tmp]
-      for k, val in vars(args).items():
-        if k in ("json", "dir", "sweep") or val is None:
-          continue
-        cmd += [f"--{k}", str(v if k == key else val)]
-      print(f"sweep {key} = {v}", flush=True)
-      subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-      with open(tmp) as f:
-        r = json.load(f)
-      os.remove(tmp)
-      points.append({"knob": key, "value": v, "speedup": r["speedup"], "baseline_s": r["baseline_s"],
-                     "knittrans_s": r["knittrans_s"], **r["ablation"],
-                     "grad_max_rel_err": r["grad_max_rel_err"]})
+      point = {k: val for k, val in vars(args).items() if k not in ("json", "dir", "sweep")}
+      point[key] = v
+      if key == "n":  # the same trajectories per mini-batch; only the sharing changes
+        point["prompts"] = max(1, args.prompts * args.n // v)
+      rows = point["prompts"] * point["n"]
+      point["micro"] = min(point["micro"], rows // point["consumers"])
+      cache_key = tuple(sorted(point.items()))
+      if cache_key not in done:  # the default point recurs in every knob's line
+        tmp = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, __file__, "--json", tmp]
+        for k, val in point.items():
+          cmd += [f"--{k}", str(val)]
+        print(f"sweep {key} = {v}", flush=True)
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(tmp) as f:
+          done[cache_key] = json.load(f)
+        os.remove(tmp)
+        with open(cache_path, "a") as f:
+          f.write(json.dumps({"point": point, "result": done[cache_key]}) + "\n")
+      r = done[cache_key]
+      points.append({"knob": key, "value": v, "config": point, "speedup": r["speedup"],
+                     "baseline_s": r["baseline_s"], "knittrans_s": r["knittrans_s"],
+                     **r["ablation"], "grad_max_rel_err": r["grad_max_rel_err"],
+                     "exposed_s": r["exposed_s"], "flops": r["flops"]})
   fig, axes = plt.subplots(1, len(SWEEP), figsize=(4 * len(SWEEP), 3.4))
   for ax, (name, key, values) in zip(axes, SWEEP):
     pts = [p for p in points if p["knob"] == key]
@@ -378,6 +442,7 @@ def sweep(args):
   png = os.path.splitext(args.json)[0] + ".png"
   fig.savefig(png, dpi=120)
   print(f"wrote {png}")
+  os.remove(cache_path)  # complete: the next sweep measures afresh
   return {"points": points, "default": {k: v for k, v in vars(args).items()
                                         if k not in ("json", "dir", "sweep")}}
 

@@ -72,3 +72,34 @@ def test_random_policy_sees_reward_differences():
     rewards = [tasks.score(task, rng.integers(0, tasks.VOCAB_SIZE, 8)) for _ in range(64)]
     spread.append(np.std(rewards))
   assert min(spread) > 0
+
+
+def test_vlm_sampler_logprobs_match_the_training_forward():
+  """A group's image is encoded once in the sampler (image_index); the log-probs
+  still match the trainer's VLM forward with the image as prefix."""
+  from knittrans_jax.models import ViTConfig
+  from knittrans_jax.models.vlm import VLM
+  from knittrans_jax.rollout import vision_tasks
+  vit = ViTConfig(image_size=16, patch_size=4, width=32, depth=2, heads=4, mlp_width=64, merge=2)
+  with nnx.use_eager_sharding(False):
+    model = VLM(vit, CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(0)
+  tasks_ = [vision_tasks.make_task(rng, s, 16) for s in vision_tasks.SOURCES]
+  n = 3
+  prompts = [t.prompt for t in tasks_ for _ in range(n)]
+  images = np.stack([t.image for t in tasks_])
+  index = np.repeat(np.arange(len(tasks_)), n)
+  cfg = SamplerConfig(max_new_tokens=6, temperature=1.0, stop_tokens=(1,))
+  out = generate(graphdef, params, prompts, jax.random.key(2), cfg, images=images,
+                 image_index=index)
+  for p, i, (resp, lp) in zip(prompts, index, out):
+    seq = np.concatenate([p, resp])[None]
+    logits = model(jnp.asarray(images[i:i + 1]), jnp.asarray(seq), jnp.ones_like(seq, bool))
+    ref, _ = token_logprobs(logits, jnp.asarray(seq))
+    np.testing.assert_allclose(lp, np.asarray(ref)[0, p.size:], atol=2e-5)
+  # The image matters: the same prompt with another image gives other log-probs.
+  seq = np.concatenate([prompts[0], out[0][0]])[None]
+  other = model(jnp.asarray(images[1:2]), jnp.asarray(seq), jnp.ones_like(seq, bool))
+  mine = model(jnp.asarray(images[0:1]), jnp.asarray(seq), jnp.ones_like(seq, bool))
+  assert np.abs(np.asarray(other) - np.asarray(mine)).max() > 1e-4

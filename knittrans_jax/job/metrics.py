@@ -21,9 +21,16 @@ class MetricsLog:
     self.records: list[dict] = []
     if resume and os.path.exists(self.path):
       with open(self.path) as f:
-        # Steps after the restored checkpoint were undone: drop their records.
-        self.records = [r for r in (json.loads(line) for line in f if line.strip())
-                        if r["step"] <= upto_step]
+        lines = [line for line in f if line.strip()]
+      records = []
+      for k, line in enumerate(lines):
+        try:
+          records.append(json.loads(line))
+        except json.JSONDecodeError:
+          if k != len(lines) - 1:  # only the last line can be torn (a killed writer)
+            raise ValueError(f"{self.path} line {k + 1} is not JSON: {line[:80]!r}") from None
+      # Steps after the restored checkpoint were undone: drop their records.
+      self.records = [r for r in records if r["step"] <= upto_step]
     with open(self.path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in self.records)
     self.arch: list[int] = [a for r in self.records for a in r.get("arch", [])]

@@ -6,6 +6,7 @@ Messages: requests are (group_id, source); reports are ("done", worker, group_id
 """
 from __future__ import annotations
 
+import multiprocessing
 import os
 import queue
 import signal
@@ -32,10 +33,13 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
     params, version = None, -1
+    parent = multiprocessing.parent_process()
     while not stop.is_set():
       try:
         req = requests.get(timeout=0.2)
       except queue.Empty:
+        if parent is not None and not parent.is_alive():
+          break  # the trainer was killed (SIGKILL): do not linger as an orphan
         continue
       if req is None:
         break
