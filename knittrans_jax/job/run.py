@@ -295,6 +295,9 @@ class Job:
     groups = collections.defaultdict(list)
     for unit in self.store.units():
       for m in self.store.list_committed(unit):
+        # Group ids committed after the checkpoint must never be dispatched again
+        # (a second copy would finish the same group twice).
+        self.next_group = max(self.next_group, m.group_id + 1)
         if m.id not in self.consumed:
           groups[m.group_id].append(m)
     complete = [sorted(ms, key=lambda m: m.index_in_group) for ms in groups.values()

@@ -1,0 +1,64 @@
+"""What a scenario reports, and how the store's contents are checked against the
+groups writers acknowledged."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import subprocess
+import sys
+from typing import Iterable
+
+from knittrans_jax.faults.data import mismatches
+from knittrans_jax.storage import TrajectoryStore
+
+
+@dataclasses.dataclass
+class Outcome:
+  scenario: str
+  trials: int = 0
+  written: int = 0  # trajectories committed to the store
+  trained: int = 0  # trajectories a consumer read back intact (or a trainer trained)
+  lost: int = 0  # acknowledged or committed, then unreadable, wrong or missing
+  duplicated: int = 0  # the same (group, index) more than once
+  quarantined: int = 0  # rows reported corrupt and set aside (by design, not lost)
+  errors: list = dataclasses.field(default_factory=list)  # the clear errors raised
+
+  def add(self, other: "Outcome") -> None:
+    for f in ("trials", "written", "trained", "lost", "duplicated", "quarantined"):
+      setattr(self, f, getattr(self, f) + getattr(other, f))
+    self.errors += other.errors
+
+  def as_dict(self) -> dict:
+    return dataclasses.asdict(self)
+
+
+def start_writer(url: str, unit: str, seed: int, first: int, count: int, n: int,
+                 seconds: float | None = None, env: dict | None = None) -> subprocess.Popen:
+  cmd = [sys.executable, "-m", "knittrans_jax.faults.writer_proc", url, unit, str(seed),
+         str(first), str(count), str(n)]
+  if seconds is not None:
+    cmd.append(str(seconds))
+  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def acked_groups(stdout: str) -> set[int]:
+  return {int(line.split()[1]) for line in stdout.splitlines() if line.startswith("ack ")}
+
+
+def check_store(store: TrajectoryStore, seed: int, n: int, acked: Iterable[int],
+                units: Iterable[str] | None = None) -> Outcome:
+  """Reads every committed row back: counts intact rows, acknowledged groups whose rows
+  are missing or wrong (lost) and repeated (group, index) pairs (duplicated)."""
+  out = Outcome("check")
+  units = list(units) if units is not None else store.units()
+  metas = [m for u in units for m in store.list_committed(u)]
+  out.written = len(metas)
+  keys = collections.Counter((m.group_id, m.index_in_group) for m in metas)
+  out.duplicated = sum(c - 1 for c in keys.values())
+  bad = set(mismatches(store.read(metas).result(), seed, n)) if metas else set()
+  out.trained = len(metas) - len(bad)
+  good_keys = {(m.group_id, m.index_in_group) for m in metas if m.id not in bad}
+  out.lost = sum((g, i) not in good_keys for g in set(acked) for i in range(n))
+  return out
