@@ -33,6 +33,7 @@ its encoder runs on for one mini-batch (encoder_forwards, summed over consumers)
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -163,12 +164,13 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
                                         for g, ms in groups.items()]))
   totals = [sum(m.response_len for mi in plan for m in mi) for plan in plans]
 
+  slot_of = [{iid: s for s, iid in enumerate(ip.slots) if iid is not None} for ip in iplans]
+
   def prepare(k, payload, dedup):
     batch = build_batch(payload, advs[k], a.seq, rows)
     if dedup:
-      slot = {iid: s for s, iid in enumerate(iplans[k].slots) if iid is not None}
       index = np.zeros(rows, np.int32)
-      index[:len(payload.metas)] = [slot[m.image_ids[0]] for m in payload.metas]
+      index[:len(payload.metas)] = [slot_of[k][m.image_ids[0]] for m in payload.metas]
       batch["image_index"] = index
     else:
       images = np.zeros((rows, *shape), np.float32)
@@ -198,6 +200,7 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
   store = TrajectoryStore.open(store_url)
   for unit in store.units():
     store.reader(unit)
+  pool = concurrent.futures.ThreadPoolExecutor(1)  # the slot-image reads, beside the reader
   p0 = store.read([m for mi in plans[0] for m in mi]).result()
   by_id = {m.id: i for i, m in enumerate(p0.metas)}
 
@@ -232,7 +235,6 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
 
   for variant in VARIANTS:
     go[variant].wait()
-    t0 = time.perf_counter()
     state = fresh()
     jax.block_until_ready(state)
     t0 = time.perf_counter()
@@ -256,14 +258,12 @@ def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
     else:
       for k, plan in enumerate(plans):
         if dedup:
-          import concurrent.futures
-          with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(read_slot_images, store, iplans[k], 0, shape)
-            reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, True), a.depth,
-                                       put, read_images=False)
-            t1 = time.perf_counter()
-            slots = pending.result()
-            exposed += time.perf_counter() - t1
+          pending = pool.submit(read_slot_images, store, iplans[k], 0, shape)
+          reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, True), a.depth,
+                                     put, read_images=False)
+          t1 = time.perf_counter()
+          slots = pending.result()
+          exposed += time.perf_counter() - t1
           grads = dedup_mb(state, slots, reader, totals[k])
         else:
           reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, False), a.depth, put)

@@ -1,17 +1,13 @@
 """Deterministic trajectories for store tests: group g is always the same data."""
 import numpy as np
 
-from knittrans_jax.storage.synthetic import random_group
+from knittrans_jax.faults.data import SOURCES, group as faults_group  # noqa: F401
 from knittrans_jax.types import Trajectory
 
-SOURCES = ("math", "code", "chat")
 
 
 def group(seed: int, gid: int, n: int = 4, median: int = 48) -> list[Trajectory]:
-  rng = np.random.default_rng([seed, gid])
-  return random_group(rng, gid, n, SOURCES[gid % 3], prompt_len=int(rng.integers(4, 32)),
-                      response_len_median=median, max_response_len=512, vocab=1000,
-                      version=gid % 7)
+  return faults_group(seed, gid, n, median)
 
 
 def full_tokens(t: Trajectory) -> np.ndarray:

@@ -12,10 +12,10 @@ SOURCES = ("math", "code", "chat")
 SCHEMA = StoreSchema(sources=SOURCES, max_response_len=512, token_chunk=4096, row_chunk=256)
 
 
-def group(seed: int, gid: int, n: int = 4) -> list[Trajectory]:
+def group(seed: int, gid: int, n: int = 4, median: int = 48) -> list[Trajectory]:
   rng = np.random.default_rng([seed, gid])
   return random_group(rng, gid, n, SOURCES[gid % 3], prompt_len=int(rng.integers(4, 32)),
-                      response_len_median=48, max_response_len=512, vocab=1000,
+                      response_len_median=median, max_response_len=512, vocab=1000,
                       version=gid % 7)
 
 

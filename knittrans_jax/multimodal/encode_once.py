@@ -36,6 +36,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knittrans_jax.models.layers import wide
+from knittrans_jax.models.vlm import vlm_forward
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
@@ -141,10 +142,11 @@ def check_deterministic(model: nnx.Module) -> None:
 def naive_vlm_forward(calls: EncoderCalls | None = None):
   """The naive forward: the encoder runs on batch['images'], one image per row."""
 
+  if calls is None:
+    return vlm_forward
+
   def forward(model, batch):
-    embeds = model.encode(batch["images"])
-    if calls is not None:
-      embeds = calls.tag(embeds)
+    embeds = calls.tag(model.encode(batch["images"]))
     return model.decode(embeds, batch["tokens"], batch["attention_mask"])
   return forward
 
@@ -164,9 +166,8 @@ class EncodeOnceStep:
     self.fns = fns
     self.config = config = config or EncodeOnceConfig()
     self.calls = calls if calls is not None else (EncoderCalls() if config.count_calls else None)
-    model = nnx.merge(fns.graphdef, jax.tree.map(lambda s: jax.ShapeDtypeStruct((), jnp.float32),
-                                                 fns.shardings.params))
-    check_deterministic(model)
+    # A stochastic encoder never gets here: its rng state cannot be split into a
+    # params-only train state. Callers check the model first (check_deterministic).
     mesh, rules = fns.mesh, fns.rules
     self.images_sharding = logical_sharding(mesh, rules, "batch", None, None, None)
     self.embeds_sharding = logical_sharding(mesh, rules, "batch", None, None)
