@@ -5,6 +5,10 @@
   python scripts/train.py ... --gin_bindings "JobConfig.policy = 'train_batch'"
   python scripts/train.py ... --resume        # continue from the latest checkpoint
 
+Several trainer processes (jax.distributed; see docs/distributed.md and
+scripts/launch_local.py, which starts them all on one machine):
+  python scripts/train.py ... --coordinator_address HOST:PORT --num_processes N --process_id I
+
 Writes WORKDIR/{config.gin, operative_config.gin, metrics.jsonl, summary.json,
 checkpoints/, store/, weights/} and prints the summary as a table.
 """
@@ -14,7 +18,7 @@ import argparse
 import shutil
 
 from knittrans_jax import gin_cli
-from knittrans_jax.job.run import run
+from knittrans_jax.job import distributed
 
 
 def main():
@@ -22,15 +26,27 @@ def main():
   gin_cli.add_flags(parser, workdir_default="runs/text_grpo_tiny")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--overwrite", action="store_true", help="delete WORKDIR first")
+  parser.add_argument("--coordinator_address", default=None,
+                      help="host:port of process 0's coordination service (jax.distributed)")
+  parser.add_argument("--num_processes", type=int, default=1, help="trainer processes in all")
+  parser.add_argument("--process_id", type=int, default=0, help="this trainer process's index")
   args = parser.parse_args()
   if args.overwrite and args.resume:
     parser.error("--overwrite and --resume exclude each other")
-  if args.overwrite:
+  try:
+    setup = distributed.ProcessSetup(args.coordinator_address, args.num_processes, args.process_id)
+  except ValueError as e:
+    parser.error(str(e))
+  if args.overwrite and setup.process_id == 0:
     shutil.rmtree(args.workdir, ignore_errors=True)
+  distributed.initialize(setup)  # before any other JAX work
+  from knittrans_jax.job.run import run  # noqa: E402  (imports JAX models)
   if not args.gin_file:
     args.gin_file = ["configs/text_grpo_tiny.gin"]
   gin_cli.parse(args)
   summary = run(args.workdir, resume=args.resume)
+  if summary is None:  # a follower process: the controller prints the summary
+    return
   print()
   for key, value in summary.items():
     print(f"  {key:<28} {value:.4f}" if isinstance(value, float) else f"  {key:<28} {value}")

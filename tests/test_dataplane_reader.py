@@ -91,6 +91,29 @@ def test_read_error_surfaces_at_its_micro_batch_and_the_reader_stops(store, tmp_
   assert not reader._thread.is_alive()
 
 
+def test_quarantining_read_skips_only_the_damaged_rows(store, tmp_path):
+  """The job's reader: a deleted chunk quarantines its unit; every micro-batch still
+  arrives, with exactly the rows that can be read, equal to a direct read."""
+  from knittrans_jax.storage.quarantine import QuarantiningReader
+  plan = plan_of(store)
+  direct = {m.id: t for mb in plan for m, t in zip(*(lambda p: (p.metas, p.tokens))(
+      store.read(mb).result()))}
+  os.remove(tmp_path / "s" / "u1" / "tokens" / "c" / "0")  # u1's first token chunk
+  fresh = TrajectoryStore.open(store.url)
+  q = QuarantiningReader(fresh)
+  with PrefetchingReader(fresh, plan, flat, depth=2, read=q.read) as reader:
+    got = list(reader)
+  assert len(got) == len(plan)
+  assert set(q.quarantined) == {"u1"}
+  hit = {m.id for mb in plan for m in mb if m.unit == "u1" and m.token_start < 512}
+  assert set(q.bad_rows) == hit and hit
+  for mb, (ids, tokens, _, images) in zip(plan, got):
+    assert ids == [m.id for m in mb if m.id not in hit]
+    for i, t in zip(ids, tokens):
+      np.testing.assert_array_equal(t, direct[i])
+    assert set(images) == {i for m in mb if m.id not in hit for i in m.image_ids}
+
+
 def test_close_midway_stops_the_thread(store):
   plan = plan_of(store, micro=2)
   reader = PrefetchingReader(store, plan, lambda p: p, depth=1)

@@ -9,7 +9,9 @@ Each image of the plan is read once per consumer and reused by later micro-batch
 (or not at all with read_images=False: the encode-once path reads its image slots
 separately, multimodal/slot_reads.py).
 A read error is raised in the step that needs that micro-batch, naming its unit
-and rows, and the thread stops.
+and rows, and the thread stops. With `read=QuarantiningReader(store).read` a
+damaged unit is quarantined instead: the micro-batch comes with its intact rows
+only (prepare pads the rest), and the skipped rows are in that reader's bad_rows.
 """
 from __future__ import annotations
 
@@ -50,10 +52,12 @@ class PrefetchingReader:
                prepare: Callable[[Payload], Any], depth: int = 2,
                put: Callable[[Any], Any] | None = None,
                unit_host: Mapping[str, str] | None = None, host: str | None = None,
-               read_images: bool = True):
+               read_images: bool = True,
+               read: Callable[[Sequence[TrajMeta], Any], Payload] | None = None):
     if depth < 1:
       raise ValueError(f"prefetch depth {depth} must be >= 1")
     self.store, self.plan, self.prepare, self.put = store, [list(m) for m in plan], prepare, put
+    self._read = read or (lambda metas, skip: store.read(metas, skip_images=skip).result())
     self.unit_host, self.host = unit_host, host
     self.stats = ReaderStats()
     self._images: dict = {}
@@ -69,18 +73,18 @@ class PrefetchingReader:
 
   def _read_one(self, k: int, metas: list[TrajMeta]):
     t0 = time.perf_counter()
-    payload = self.store.read(metas, skip_images=self._images.keys() | self._skip).result()
+    payload = self._read(metas, self._images.keys() | self._skip)
     nbytes = payload.nbytes  # sequences, plus only the images read just now
     for iid, image in payload.images.items():
       self._images[iid] = image
       self.stats.images_read[iid] += 1
     if self.read_images:
-      payload.images = {iid: self._images[iid] for m in metas for iid in m.image_ids}
+      payload.images = {iid: self._images[iid] for m in payload.metas for iid in m.image_ids}
     self.stats.bytes_read += nbytes
     if self.unit_host is not None and self.host is not None:
       self.stats.bytes_local += sum(m.length * 9 for m in metas  # int32 + float32 + uint8
                                     if self.unit_host.get(m.unit) == self.host)
-    self.stats.rows_read.update(m.id for m in metas)
+    self.stats.rows_read.update(m.id for m in payload.metas)
     batch = self.prepare(payload)
     if self.put is not None:
       batch = self.put(batch)

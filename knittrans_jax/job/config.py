@@ -19,6 +19,10 @@ class JobConfig:
   suite: 'text' (a decoder on text tasks) or 'vision' (a VLM on generated images).
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
+  consumers: data-parallel consumers a mini-batch is planned over (dataplane/);
+    default one per trainer process. Each process trains its consumers' rows; one
+    process given C > 1 trains all C's rows (the single-process reference of a
+    C-process run).
   """
   spec: TrainBatchSpec = None
   mode: str = "disaggregated"
@@ -34,6 +38,7 @@ class JobConfig:
   data_path: str = "ondemand"  # or 'centralized' (the baseline)
   suite: str = "text"  # or 'vision'
   encode_once: bool = True
+  consumers: int | None = None
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -49,6 +54,9 @@ class JobConfig:
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
     if self.suite not in ("text", "vision"):
       raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text' or 'vision'")
+    if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
+      raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
+                       f"micro_batch_size = {self.micro_batch_size}")
     if self.mode == "disaggregated" and self.workers <= 0:
       raise ValueError(f"JobConfig.workers = {self.workers} must be positive")
 

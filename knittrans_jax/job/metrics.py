@@ -41,7 +41,8 @@ class MetricsLog:
     self.trajectories = sum(r["trajectories"] for r in self.records)
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
-  def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float) -> None:
+  def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
+           admitted_tokens: int | None = None) -> None:
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -57,8 +58,11 @@ class MetricsLog:
         "clip_frac": sums.get("clip_frac", 0.0) / tokens, "grad_norm": grad_norm,
         "arch_staleness_mean": float(np.mean(np.maximum(arch, 0))),
         "trajectories": len(metas), "source_counts": dict(counts), "arch": arch,
-        "ids": [m.id for m in metas], "groups": sorted(grp.group_id for grp in mb.groups),
+        "ids": [m.id for m in metas], "groups": [grp.group_id for grp in mb.groups],  # admission order
         "response_len": float(np.mean([m.response_len for m in metas])),
+        # Loss tokens admitted but not trained (rows of a quarantined unit), all processes.
+        "tokens_skipped": (int(round(admitted_tokens - sums.get("tokens", 0.0)))
+                           if admitted_tokens is not None else 0),
         "time_s": time.perf_counter() - self.t0,
     }
     self.records.append(rec)
@@ -94,5 +98,6 @@ class MetricsLog:
         "arch_staleness_signed_mean": float(np.mean(self.arch or [0])),
         "arch_staleness_p99": float(np.percentile(arch, 99)),
         "quota_violations": self.quota_violations(), "steps": steps,
+        "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
         "trajectories": self.trajectories, **extra,
     }

@@ -5,12 +5,16 @@ One trajectory's journey: a worker generates it and appends it to its storage un
 (admission/), plans the admitted mini-batch's micro-batches (dataplane/), reads
 them from the store with the next one prefetched (storage/), and the trainer
 steps (train/). Weights go back to the workers through the work dir (rollout/weights.py).
+
+Under jax.distributed (job/distributed.py) every process is a trainer: process 0
+runs the controller and sends each step's plan to the others, which `follow()`.
 """
 from __future__ import annotations
 
 import collections
 import concurrent.futures
 import json
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -28,6 +32,7 @@ from knittrans_jax.admission import GroupInfo, make_policy
 from knittrans_jax.dataplane import PrefetchingReader, centralized, plan_micro_batches
 from knittrans_jax.job.batching import build_batch, group_advantages_by_id
 from knittrans_jax.job.config import JobConfig
+from knittrans_jax.job.distributed import PlanChannel, barrier
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.models import DecoderConfig, ViTConfig
 from knittrans_jax.models.vlm import make_model
@@ -42,10 +47,12 @@ from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.rollout.worker import worker_main
 from knittrans_jax.sim.workload import PromptStream
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
+from knittrans_jax.storage.quarantine import QuarantiningReader
 from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, OptimizerConfig,
                                  StepFunctions, abstract_state, check_batch, init_train_state,
                                  make_mesh, make_optimizer)
 from knittrans_jax.train.batch import batch_shardings, put_batch, rows_multiple
+from knittrans_jax.train.mesh import replicated
 from knittrans_jax.train.step import text_forward
 
 
@@ -55,6 +62,18 @@ class Job:
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.cfg = cfg = JobConfig()
+    self.process, self.processes = jax.process_index(), jax.process_count()
+    self.controller = self.process == 0
+    self.channel = PlanChannel()
+    if self.processes > 1 and (cfg.mode != "disaggregated" or cfg.data_path != "ondemand"):
+      raise ValueError(f"{self.processes} trainer processes need JobConfig.mode = 'disaggregated' "
+                       f"and data_path = 'ondemand' (got {cfg.mode!r}, {cfg.data_path!r}); the "
+                       "colocated reference and the centralized baseline run in one process")
+    self.consumers = cfg.consumers or self.processes
+    if self.consumers % self.processes or cfg.micro_batch_size % self.consumers:
+      raise ValueError(f"JobConfig.consumers = {self.consumers} must be a multiple of the "
+                       f"{self.processes} trainer processes and divide micro_batch_size = "
+                       f"{cfg.micro_batch_size}")
     self.model_cfg = DecoderConfig()
     self.sampler_cfg = SamplerConfig()
     self.loss_cfg = LossConfig()
@@ -96,9 +115,13 @@ class Job:
     if cfg.micro_batch_size % self.rows_multiple:
       raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
                        f"the mesh's {self.rows_multiple} batch shards")
+    if self.rows_multiple % self.processes:
+      raise ValueError(f"the mesh's {self.rows_multiple} batch shards do not split over "
+                       f"{self.processes} processes (MeshConfig.rules put 'batch' on fewer axes)")
+    self.local_rows = cfg.micro_batch_size // self.processes  # this process's rows per step
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
-    if not resume and (self.ckpt.latest_step() is not None
-                       or os.path.exists(os.path.join(self.workdir, "store"))):
+    if self.controller and not resume and (self.ckpt.latest_step() is not None
+                                           or os.path.exists(os.path.join(self.workdir, "store"))):
       raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
                        "--overwrite to start over, or another --workdir")
     self.progress = {"consumed": [], "next_group": 0, "steps": 0, "position": None}
@@ -109,22 +132,33 @@ class Job:
       else:
         self.state, self.progress = restored
     self.store_url = cfg.store_url or "file://" + os.path.join(self.workdir, "store")
-    self.store = TrajectoryStore.create(self.store_url, StoreSchema(
-        sources=self.sources, max_prompt_len=self.prompt_len,
-        max_response_len=self.sampler_cfg.max_new_tokens))
+    if self.controller:
+      self.store = TrajectoryStore.create(self.store_url, StoreSchema(
+          sources=self.sources, max_prompt_len=self.prompt_len,
+          max_response_len=self.sampler_cfg.max_new_tokens))
+    barrier("knittrans_store_created")
+    if not self.controller:
+      self.store = TrajectoryStore.open(self.store_url)
+    # A damaged unit is quarantined, not fatal: its readable rows and every other
+    # unit still train; skipped rows show as tokens_skipped in metrics.jsonl.
+    self.quarantine = QuarantiningReader(self.store)
     policy = cfg.policy if cfg.mode == "disaggregated" else "train_batch"
     self.policy = make_policy(policy, spec)
     # Prompt sources in quota-exact blocks of G, shuffled (the data loader).
     self.quotas = PromptStream(spec, self.sources,
                                np.random.default_rng([cfg.seed, self.progress["next_group"]]))
-    self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.version)
+    self.log = (MetricsLog(self.workdir, spec, resume=resume, upto_step=self.version)
+                if self.controller else None)
     self.consumed = set(self.progress["consumed"])
     self.seen_groups = {int(g) for g in self.progress.get("consumed_groups", [])}
     self.next_group = self.progress["next_group"]
     self.consumed_groups = set(self.seen_groups)
     if self.progress.get("position"):
       self.policy.restore_position(self.progress["position"])
-    self.publisher = WeightPublisher(self.workdir)
+    self.publisher = WeightPublisher(self.workdir) if self.controller else None
+    self._gather = None  # params -> replicated, when they are split across processes
+    self.read_ids: list[str] = []  # trajectories this process read (logs/trainer{p}.json)
+    self._warned: set[str] = set()  # quarantined units already reported
     self.image_shape = ((self.vit_cfg.image_size, self.vit_cfg.image_size, self.vit_cfg.channels)
                         if self.vision else None)
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="slot-images")
@@ -138,37 +172,70 @@ class Job:
 
   # -- training one admitted mini-batch ---------------------------------------
   def train(self, mb) -> None:
+    """(controller) Plans the mini-batch over the consumers, has every trainer
+    process step on its share, and records the step."""
     cfg = self.cfg
     metas = [m for grp in mb.groups for m in grp.metas]
     if any(m.id in self.consumed for m in metas):
       raise RuntimeError(f"mini-batch {mb.train_batch}.{mb.index} would train a trajectory twice")
-    plan = plan_micro_batches(mb, 1, cfg.micro_batch_size)
-    micros = plan.consumers[0]
+    plan = plan_micro_batches(mb, self.consumers, cfg.micro_batch_size // self.consumers)
     adv = group_advantages_by_id(mb.groups, self.loss_cfg.normalize_adv_std)
     total = sum(m.response_len for m in metas)  # every response token trains (tasks' mask)
     v_consume = self.version
-    dedup = self.encode_once is not None
-    iplan = (plan_images(plan.consumers, slot_multiple=self.rows_multiple,
-                         min_slots=cfg.spec.mini_batch_groups) if dedup else None)
-    slot_of = {m.id: iplan.index[0][k][i] for k, micro in enumerate(micros)
+    iplan = None
+    if self.encode_once is not None:
+      # Every process's slots must split over its batch shards (fixed shapes).
+      C = self.consumers
+      iplan = plan_images(plan.consumers, slot_multiple=self.rows_multiple // math.gcd(
+          self.rows_multiple, C), min_slots=-(-cfg.spec.mini_batch_groups // C))
+    sums, grad_norm = self._all("train", consumers=plan.consumers, adv=adv, total=total,
+                                iplan=iplan)
+    self.consumed.update(m_.id for m_ in metas)
+    self.consumed_groups.update(grp.group_id for grp in mb.groups)
+    self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=total)
+
+  def _all(self, command: str, **kwargs):
+    """(controller) Runs `command` here and in every other trainer process."""
+    self.channel.send((command, kwargs))
+    return getattr(self, "_do_" + command)(**kwargs)
+
+  def follow(self) -> None:
+    """(processes > 0) Carries out the controller's commands until it finishes."""
+    while True:
+      command, kwargs = self.channel.receive()
+      getattr(self, "_do_" + command)(**kwargs)
+      if command == "finish":
+        return
+
+  def _do_train(self, consumers, adv, total, iplan):
+    """One optimizer step; this process reads and trains only its consumers' rows:
+    its local micro-batch k is their k-th micro-batches side by side."""
+    cfg = self.cfg
+    per_process = self.consumers // self.processes
+    mine = range(self.process * per_process, (self.process + 1) * per_process)
+    micros = [tuple(m for c in mine for m in consumers[c][k])
+              for k in range(len(consumers[0]))]
+    self.read_ids.extend(m.id for micro in micros for m in micro)
+    dedup = iplan is not None
+    slot_of = {m.id: iplan.index[c][k][i] for c in mine for k, micro in enumerate(consumers[c])
                for i, m in enumerate(micro)} if dedup else {}
     received_images = {}  # centralized path: the images that came with the slices
 
     def prepare(payload):
-      batch = build_batch(payload, adv, cfg.seq_len, cfg.micro_batch_size)
+      batch = build_batch(payload, adv, cfg.seq_len, self.local_rows)
       if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
         raise RuntimeError("loss mask disagrees with the response lengths")
       if dedup:
-        index = np.zeros(cfg.micro_batch_size, np.int32)  # padding rows: any slot, no loss
+        index = np.zeros(self.local_rows, np.int32)  # padding rows: any slot, no loss
         index[:len(payload.metas)] = [slot_of[m.id] for m in payload.metas]
         batch["image_index"] = index
         received_images.update(payload.images)
       elif self.vision:  # the naive step: the image copied into every row
-        images = np.zeros((cfg.micro_batch_size, *self.image_shape), np.float32)
+        images = np.zeros((self.local_rows, *self.image_shape), np.float32)
         for i, m in enumerate(payload.metas):
           images[i] = payload.images[m.image_ids[0]]
         batch["images"] = images
-      check_batch(batch, self.model_cfg.vocab_size, self.rows_multiple)
+      check_batch(batch, self.model_cfg.vocab_size, self.rows_multiple // self.processes)
       return batch
 
     def put(batch):  # onto the devices with the step's sharding, ahead of use
@@ -176,20 +243,25 @@ class Job:
         self._batch_sh = batch_shardings(self.mesh, self.rules, batch)
       return put_batch(batch, self._batch_sh)
 
+    def my_slots(read):
+      return np.concatenate([read(c) for c in mine])
+
     slots = None
     if cfg.data_path == "centralized":
       batches, waited = self._centralized(micros, prepare, put)
       if dedup:
-        slots = slots_from_images(iplan, 0, received_images, self.image_shape)
+        slots = my_slots(lambda c: slots_from_images(iplan, c, received_images,
+                                                     self.image_shape))
       self.exposed_wait_s += waited
       self.raw_transfer_s += waited  # nothing overlaps compute
     else:
-      # On-demand: this consumer reads only its micro-batches, prefetching ahead; the
+      # On-demand: this process reads only its micro-batches, prefetching ahead; the
       # encode-once path reads each image once, into its slot, alongside.
       if dedup:
-        pending = self._pool.submit(read_slot_images, self.store, iplan, 0, self.image_shape)
+        pending = self._pool.submit(my_slots, lambda c: read_slot_images(
+            self.store, iplan, c, self.image_shape))
       batches = PrefetchingReader(self.store, micros, prepare, cfg.prefetch_depth, put,
-                                  read_images=not dedup)
+                                  read_images=not dedup, read=self.quarantine.read)
       if dedup:
         t0 = time.perf_counter()
         slots = pending.result()
@@ -212,15 +284,48 @@ class Job:
         self.exposed_wait_s += batches.stats.exposed_wait_s
         self.raw_transfer_s += batches.stats.raw_transfer_s
     self.state, m = self.fns.apply_step(self.state, grads)
-    self.consumed.update(m_.id for m_ in metas)
-    self.consumed_groups.update(grp.group_id for grp in mb.groups)
-    self.log.step(mb, metas, v_consume, sums, float(jax.device_get(m["grad_norm"])))
+    for unit, why in self.quarantine.quarantined.items():
+      if unit not in self._warned:
+        self._warned.add(unit)
+        print(f"\nprocess {self.process}: storage unit {unit} quarantined ({why}); its "
+              "readable rows are still used")
+    return sums, float(jax.device_get(m["grad_norm"]))
+
+  def _do_publish(self):
+    """New weights for the rollout workers; gathered first when split across processes."""
+    params = self.state.params
+    if not all(x.is_fully_replicated for x in jax.tree.leaves(params)):
+      if self._gather is None:
+        self._gather = jax.jit(lambda p: p, out_shardings=replicated(self.mesh))
+      params = self._gather(params)
+    if self.controller:
+      self.publisher.publish(self.version, params)
+
+  def _do_save(self, force=False):
+    # Orbax writes a checkpoint from every process; the progress JSON from process 0.
+    if self.controller:
+      self.progress = {"consumed": sorted(self.consumed), "consumed_groups": sorted(
+                           str(g) for g in self.consumed_groups), "next_group": self.next_group,
+                       "steps": self.version, "position": self.policy.position()}
+    self.ckpt.save(self.state, self.progress if self.controller else {}, force=force)
+
+  def _do_finish(self):
+    self.ckpt.wait()
+    self.ckpt.close()
+    self._pool.shutdown(wait=False)
+    os.makedirs(os.path.join(self.workdir, "logs"), exist_ok=True)
+    with open(os.path.join(self.workdir, "logs", f"trainer{self.process}.json"), "w") as f:
+      json.dump({"process": self.process, "processes": self.processes,
+                 "consumers": self.consumers, "exposed_data_wait_s": self.exposed_wait_s,
+                 "raw_transfer_s": self.raw_transfer_s, "read_ids": self.read_ids,
+                 "quarantined_units": self.quarantine.quarantined,
+                 "skipped_rows": self.quarantine.bad_rows}, f)
 
   def _encode_once_grads(self, slots, batches, total):
     """Encode the mini-batch's images once, run the backbone micro-batches as they
     arrive, then the one encoder VJP (multimodal/encode_once.py)."""
     step, params = self.encode_once, self.state.params
-    images = jax.device_put(slots, step.images_sharding)
+    images = jax.make_array_from_process_local_data(step.images_sharding, slots)
     encoded = step.encode(params, images)
     acc, acc_e = self.fns.zero_grads(params), step.zero_embed_grads(encoded)
     sums = collections.Counter()
@@ -246,10 +351,7 @@ class Job:
     return batches, time.perf_counter() - t0
 
   def save(self, force=False):
-    self.progress = {"consumed": sorted(self.consumed), "consumed_groups": sorted(
-                         str(g) for g in self.consumed_groups), "next_group": self.next_group,
-                     "steps": self.version, "position": self.policy.position()}
-    self.ckpt.save(self.state, self.progress, force=force)
+    self._all("save", force=force)
 
   # -- the two modes ------------------------------------------------------------
   def run(self) -> dict:
@@ -276,9 +378,7 @@ class Job:
       signal.signal(signal.SIGINT, previous)
       self.bar.close()
       self.save(force=True)
-      self.ckpt.wait()
-      self.ckpt.close()
-      self._pool.shutdown(wait=False)
+      self._all("finish")
     self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
                                exposed_data_wait_s=self.exposed_wait_s,
@@ -344,7 +444,7 @@ class Job:
 
   def _disaggregated(self, target):
     cfg, spec = self.cfg, self.cfg.spec
-    self.publisher.publish(self.version, self.state.params)
+    self._all("publish")
     ctx = mp.get_context("spawn")
     reports, stop = ctx.Queue(), ctx.Event()
     workers, requests = {}, {}
@@ -396,7 +496,7 @@ class Job:
         while (mb := self.policy.admit(self.version)) is not None:
           self.train(mb)
           in_window -= len(mb.groups)
-          self.publisher.publish(self.version, self.state.params)
+          self._all("publish")
           self._after_step()
           self.save()
           if self.version >= target or self.stop_requested:
@@ -442,5 +542,11 @@ class Job:
     return failed
 
 
-def run(workdir: str, resume: bool = False) -> dict:
-  return Job(workdir, resume).run()
+def run(workdir: str, resume: bool = False) -> dict | None:
+  """Runs the job; in a process other than 0 of a distributed trainer, follows the
+  controller and returns None."""
+  job = Job(workdir, resume)
+  if not job.controller:
+    job.follow()
+    return None
+  return job.run()

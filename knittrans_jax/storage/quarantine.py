@@ -22,12 +22,13 @@ class QuarantiningReader:
     self.quarantined: dict[str, str] = {}  # unit -> the first error it raised
     self.bad_rows: dict[str, str] = {}  # trajectory id -> its error
 
-  def read(self, metas: Sequence[TrajMeta]) -> Payload:
-    """The payload of the intact rows among `metas`, in their order."""
+  def read(self, metas: Sequence[TrajMeta], skip_images=()) -> Payload:
+    """The payload of the intact rows among `metas`, in their order (images in
+    `skip_images`, already held by the caller, are not read)."""
     healthy = [m for m in metas if m.unit not in self.quarantined]
     parts = {}
     try:
-      parts.update(self._by_id(self.store.read(healthy).result()))
+      parts.update(self._by_id(self.store.read(healthy, skip_images).result()))
     except CorruptUnitError as e:
       self.quarantined.setdefault(e.unit, str(e))
       by_unit: dict[str, list[TrajMeta]] = {}
@@ -37,13 +38,13 @@ class QuarantiningReader:
         if unit in self.quarantined:
           continue
         try:
-          parts.update(self._by_id(self.store.read(ms).result()))
+          parts.update(self._by_id(self.store.read(ms, skip_images).result()))
         except CorruptUnitError as e2:
           self.quarantined.setdefault(unit, str(e2))
     for m in metas:  # quarantined units: row by row
       if m.unit in self.quarantined and m.id not in parts and m.id not in self.bad_rows:
         try:
-          parts.update(self._by_id(self.store.read([m]).result()))
+          parts.update(self._by_id(self.store.read([m], skip_images).result()))
         except CorruptUnitError as e:
           self.bad_rows[m.id] = str(e)
     good = [m for m in metas if m.id in parts]

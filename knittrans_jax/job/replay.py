@@ -1,0 +1,58 @@
+"""Re-trains a finished run's mini-batches, in order, in this process.
+
+The reference for the multi-process trainer: the same trajectories (read from the
+run's store), the same mini-batches in the same order, the same plan over the
+same number of consumers, but one process holding every consumer's rows. Loss
+and parameters should then match the run's up to floating-point reduction order.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import gin
+
+from knittrans_jax.job.run import Job
+from knittrans_jax.types import GroupInfo, MiniBatch
+
+
+def logged_mini_batches(run_dir: str, store) -> list[MiniBatch]:
+  """The run's mini-batches as metrics.jsonl recorded them, metadata from its store."""
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  by_group: dict[int, list] = {}
+  for unit in store.units():
+    for m in store.list_committed(unit):
+      by_group.setdefault(m.group_id, []).append(m)
+  out = []
+  for r in records:
+    groups = []
+    for gid in r["groups"]:
+      if gid not in by_group:
+        raise ValueError(f"{run_dir}: step {r['step']} trained group {gid}, which its store "
+                         "does not hold")
+      metas = sorted(by_group[gid], key=lambda m: m.index_in_group)
+      groups.append(GroupInfo(group_id=gid, source=metas[0].source,
+                              num_tokens=sum(m.length for m in metas),
+                              version=min(m.version_first for m in metas),
+                              rewards=tuple(m.reward for m in metas), metas=tuple(metas)))
+    out.append(MiniBatch(train_batch=r["train_batch"], index=r["index"], groups=tuple(groups),
+                         admitted_version=r["step"] - 1))
+  return out
+
+
+def replay(run_dir: str, workdir: str, consumers: int) -> Job:
+  """Builds a Job in `workdir` (the gin config already parsed, as for the run) that
+  reads `run_dir`'s store, trains its logged mini-batches planned over `consumers`,
+  and returns it (job.state, job.log.records)."""
+  run_dir = os.path.abspath(run_dir)
+  with gin.unlock_config():
+    gin.bind_parameter("JobConfig.store_url", "file://" + os.path.join(run_dir, "store"))
+    gin.bind_parameter("JobConfig.consumers", consumers)
+  job = Job(workdir)
+  try:
+    for mb in logged_mini_batches(run_dir, job.store):
+      job.train(mb)
+  finally:
+    job._do_finish()
+  return job
