@@ -1,19 +1,31 @@
 """Reproduces the paper's figures: PNGs plus the numbers behind them.
 
-  python scripts/reproduce_figures.py --only staleness --out figures/
+  python scripts/reproduce_figures.py --out figures/            # every figure
+  python scripts/reproduce_figures.py --quick --out /tmp/figs     # smaller, < 10 min
+  python scripts/reproduce_figures.py --only runs transfer        # some groups
 
 staleness (simulator, configs/sim/paper_text.gin):
   staleness_frontier.png   architectural staleness against throughput, per policy
   staleness_cdf.png        CDF of max(a, 0) per policy at the matched-throughput point
   staleness_sensitivity.png  reduction vs M, vs the code source's tail weight, and vs
                            the rollout/trainer speed ratio
-figures/summary.md holds every number drawn. Other figure groups come with later work.
+runs (scripts/train.py, configs/text_grpo_tiny.gin; colocated and one run per policy):
+  runs_staleness.png       CDF of measured architectural staleness per run
+  learning_curves.png      reward per optimizer step per run
+transfer (scripts/bench_transfer.py, text and vlm):
+  transfer_latency.png     exposed and raw transfer latency, baseline vs on-demand
+multimodal (scripts/bench_multimodal.py):
+  multimodal_step.png      transfer + training per mini-batch: baseline, both
+                           ablations, knittrans
+figures/summary.md holds every number drawn, and numbers.json all of them.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 import gin
@@ -29,6 +41,7 @@ from knittrans_jax.admission import TrainBatchSpec  # noqa: E402
 from knittrans_jax.sim import SimConfig, simulate  # noqa: E402
 from knittrans_jax.sim.sweep import POLICIES, headline, refine, run_points, window_grid  # noqa: E402
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLORS = {"train_batch": "tab:red", "fifo": "tab:gray", "constraint_preserving": "tab:blue"}
 
 
@@ -159,19 +172,197 @@ def staleness(out: str, sensitivity_batches: int) -> dict:
           "sensitivity": sens}
 
 
-def write_summary(out, numbers):
-  lines = ["# Figures and the numbers behind them", "",
-           "Made by `python scripts/reproduce_figures.py --only staleness --out figures/` "
-           "(simulator, `configs/sim/paper_text.gin`).", ""]
-  s = numbers["staleness"]
+# -- real tiny runs: staleness per policy and learning curves -------------------
+RUNS = {  # name: gin bindings on configs/text_grpo_tiny.gin
+    "colocated": ["JobConfig.mode = 'colocated'"],
+    "train_batch": ["JobConfig.policy = 'train_batch'"],
+    "constraint_preserving": ["JobConfig.policy = 'constraint_preserving'"],
+    "fifo": ["JobConfig.policy = 'fifo'"],
+}
+RUN_COLORS = {**COLORS, "colocated": "k"}
+
+
+def _subprocess(cmd, log_path, what):
+  """Runs a script to completion, its output to `log_path`; a failure names the log."""
+  env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+  with open(log_path, "w") as log:
+    code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+  if code:
+    with open(log_path) as f:
+      tail = "".join(f.readlines()[-20:])
+    raise RuntimeError(f"{what} failed (exit {code}); {log_path} ends:\n{tail}")
+
+
+def real_runs(out: str, work: str, train_batches: int) -> dict:
+  """The default text job once per admission policy and colocated, side by side."""
+  results = {}
+  bar = tqdm(RUNS.items(), desc="tiny runs", unit="run")
+  for name, bindings in bar:
+    bar.set_postfix(run=name)
+    wd = os.path.join(work, "runs", name)
+    cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_tiny.gin",
+           "--workdir", wd, "--overwrite",
+           "--gin_bindings", f"JobConfig.train_batches = {train_batches}"]
+    for b in bindings:
+      cmd += ["--gin_bindings", b]
+    _subprocess(cmd, os.path.join(work, f"run_{name}.log"), f"the {name} run")
+    results[name] = run_result(wd)
+  return {"train_batches": train_batches, "policies": runs_figures(results, out)}
+
+
+def run_result(workdir: str) -> dict:
+  """What the figures take from a finished job's metrics.jsonl and summary.json."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  with open(os.path.join(workdir, "summary.json")) as f:
+    summary = json.load(f)
+  arch = np.maximum(np.asarray([a for r in records for a in r["arch"]]), 0)
+  return {"steps": len(records), "wall_s": summary["wall_s"],
+          "quota_violations": summary["quota_violations"],
+          "arch_mean": float(arch.mean()), "arch_p50": float(np.percentile(arch, 50)),
+          "arch_p99": float(np.percentile(arch, 99)),
+          "reward_first": summary["reward_first"], "reward_last": summary["reward_last"],
+          "reward": [r["reward"] for r in records], "arch_hist": np.bincount(arch).tolist()}
+
+
+def runs_figures(results: dict, out: str) -> dict:
+  """Both figures from {run name: run_result}; adds each run's reduction vs train_batch."""
+  tb = results.get("train_batch", {}).get("arch_mean", 0)
+  for r in results.values():
+    r["reduction_vs_train_batch"] = 1 - r["arch_mean"] / tb if tb > 0 else None
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  xmax = max(len(r["arch_hist"]) for r in results.values())
+  for name, r in results.items():
+    hist = np.asarray(r["arch_hist"], float)
+    cdf = np.cumsum(hist) / hist.sum()
+    # Carried on to the common right edge, so colocated (all at 0) shows as a line.
+    ax.step(np.append(np.arange(hist.size), xmax), np.append(cdf, cdf[-1]), where="post",
+            color=RUN_COLORS[name], lw=2.5 if name == "colocated" else 1.5,
+            label=f"{name} (mean {r['arch_mean']:.2f})")
+  ax.set_xlabel("architectural staleness max(a, 0) (versions)")
+  ax.set_ylabel("fraction of trajectories")
+  ax.set_title("Measured in tiny text runs (configs/text_grpo_tiny.gin)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "runs_staleness.png"), dpi=130)
+  plt.close(fig)
+
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  for name, r in results.items():
+    y = np.asarray(r["reward"])
+    k = max(1, len(y) // 20)  # moving average over 5% of the run
+    smooth = np.convolve(y, np.ones(k) / k, mode="valid")
+    ax.plot(np.arange(k, len(y) + 1), smooth, color=RUN_COLORS[name], label=name)
+  ax.set_xlabel("optimizer step")
+  ax.set_ylabel("mean reward of the step's trajectories")
+  ax.set_title("Learning curves (moving average)")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "learning_curves.png"), dpi=130)
+  plt.close(fig)
+  return results
+
+
+# -- transfer: centralized baseline vs on-demand, text and vlm ------------------
+def transfer(out: str, work: str, quick: bool) -> dict:
+  results = {}
+  size = ["--prompts", "16", "--mini_batches", "1"] if quick else []
+  for workload in tqdm(("text", "vlm"), desc="transfer bench", unit="workload"):
+    path = os.path.join(work, f"bench_transfer_{workload}.json")
+    _subprocess([sys.executable, "scripts/bench_transfer.py", "--workload", workload, "--json",
+                 path, "--dir", os.path.join(work, f"transfer_{workload}"), *size],
+                os.path.join(work, f"bench_transfer_{workload}.log"), f"bench_transfer {workload}")
+    with open(path) as f:
+      results[workload] = json.load(f)
+  return transfer_figure(results, out)
+
+
+def transfer_figure(benches: dict, out: str) -> dict:
+  """transfer_latency.png from {workload: bench_transfer JSON}; returns its numbers."""
+  results = {}
+  for workload, d in benches.items():
+    results[workload] = {
+        "trajectories": d["trajectories"], "consumers": d["consumers"],
+        **{f"{side}_{k}": d[side][k] for side in ("baseline", "ondemand")
+           for k in ("exposed_s", "raw_transfer_s", "total_s")},
+        "bytes_baseline": d["bytes_moved"]["baseline"], "bytes_ondemand": d["bytes_moved"]["ondemand"],
+        "exposed_ratio": d["exposed_ratio"], "raw_ratio": d["raw_ratio"],
+        "total_ratio": d["total_ratio"]}
+  fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+  workloads = list(results)
+  for ax, key, title in zip(axes, ("exposed_s", "raw_transfer_s"),
+                            ("exposed (the step waits)", "raw (moving the data)")):
+    x = np.arange(len(workloads))
+    for i, side in enumerate(("baseline", "ondemand")):
+      vals = [results[w][f"{side}_{key}"] for w in workloads]
+      ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=side,
+             color="tab:red" if side == "baseline" else "tab:blue")
+    ax.set_xticks(x, workloads)
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds (max over consumers)")
+    ax.set_title(f"transfer latency: {title}")
+    ax.legend()
+  fig.suptitle("Centralized baseline vs on-demand reads (scripts/bench_transfer.py)")
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "transfer_latency.png"), dpi=130)
+  plt.close(fig)
+  return results
+
+
+# -- multimodal: transfer + training per mini-batch with the ablations ----------
+MM_VARIANTS = (("baseline", "baseline_s"), ("ondemand_only", "ondemand_only_s"),
+               ("dedup_only", "dedup_only_s"), ("knittrans", "knittrans_s"))
+
+
+def multimodal(out: str, work: str, quick: bool) -> dict:
+  path = os.path.join(work, "bench_multimodal.json")
+  size = ["--image", "224", "--prompts", "8"] if quick else []
+  bar = tqdm(total=1, desc="multimodal bench", unit="run")
+  _subprocess([sys.executable, "scripts/bench_multimodal.py", "--json", path,
+               "--dir", os.path.join(work, "multimodal"), *size],
+              os.path.join(work, "bench_multimodal.log"), "bench_multimodal")
+  bar.update()
+  bar.close()
+  with open(path) as f:
+    return multimodal_figure(json.load(f), out)
+
+
+def multimodal_figure(d: dict, out: str) -> dict:
+  """multimodal_step.png from a bench_multimodal JSON; returns its numbers."""
+  per = {name: d[key] if key in d else d["ablation"][key] for name, key in MM_VARIANTS}
+  exposed = d["exposed_s"]
+  fig, ax = plt.subplots(figsize=(6.5, 4.5))
+  names = [n for n, _ in MM_VARIANTS]
+  exp = [exposed[n] for n in names]  # the bench reports both per mini-batch
+  ax.bar(names, [per[n] - e for n, e in zip(names, exp)], color="tab:blue", label="compute")
+  ax.bar(names, exp, bottom=[per[n] - e for n, e in zip(names, exp)], color="tab:red",
+         label="exposed transfer")
+  for i, n in enumerate(names):
+    ax.text(i, per[n], f"{per['baseline'] / per[n]:.2f}x", ha="center", va="bottom")
+  ax.set_ylabel("seconds per mini-batch (transfer + training)")
+  c = d["config"]
+  ax.set_title(f"VLM mini-batch: {c['prompts']} prompts x n = {c['n']}, {c['image']} px "
+               "(scripts/bench_multimodal.py)", fontsize=9)
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "multimodal_step.png"), dpi=130)
+  plt.close(fig)
+  return {"config": c, "seconds_per_mini_batch": per, "exposed_s_per_mini_batch": dict(
+      zip(names, exp)), "speedup": d["speedup"], "grad_max_rel_err": d["grad_max_rel_err"],
+          "encoder_forwards": d["encoder_forwards"],
+          "encoder_share_naive": d["flops"]["encoder_share_naive"]}
+
+
+# -- summary.md ----------------------------------------------------------------
+def staleness_section(s) -> list[str]:
   h = s["headline"]
-  lines += ["## Staleness (simulator)", "",
-            "![frontier](staleness_frontier.png)", "",
-            f"Baseline: train_batch at W = 2G = {h['baseline_window']} gives "
-            f"{h['baseline_throughput_traj_per_s']:.2f} trajectories/s. Each policy at the smallest "
-            "window reaching that throughput:", "",
-            "| policy | W | traj/s | mean max(a,0) | signed mean | p99 | quota violations |",
-            "| --- | --- | --- | --- | --- | --- | --- |"]
+  lines = ["## Staleness (simulator)", "",
+           "![frontier](staleness_frontier.png)", "",
+           f"Baseline: train_batch at W = 2G = {h['baseline_window']} gives "
+           f"{h['baseline_throughput_traj_per_s']:.2f} trajectories/s. Each policy at the smallest "
+           "window reaching that throughput:", "",
+           "| policy | W | traj/s | mean max(a,0) | signed mean | p99 | quota violations |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in s["matched"].items():
     lines.append(f"| {name} | {p['window']} | {p['throughput_traj_per_s']:.2f} | "
                  f"{p['arch_staleness_mean']:.2f} | {p['arch_staleness_signed_mean']:.2f} | "
@@ -191,31 +382,143 @@ def write_summary(out, numbers):
       lines.append(f"| {r['value']} | {r['reduction_constraint_preserving']:.3f} | "
                    f"{r['reduction_fifo']:.3f} | {r['fifo_quota_violations']} |")
     lines.append("")
+  return lines
+
+
+def runs_section(r) -> list[str]:
+  lines = ["## Staleness and learning in real tiny runs", "",
+           f"`configs/text_grpo_tiny.gin`, {r['train_batches']} train batches per run "
+           "(4 optimizer steps each), 2 rollout workers; one run per row, one after another.", "",
+           "![runs staleness](runs_staleness.png)", "",
+           "| run | steps | mean max(a,0) | p50 | p99 | reduction vs train_batch | "
+           "quota violations | reward first 10% | reward last 10% | wall s |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for name, p in r["policies"].items():
+    red = p["reduction_vs_train_batch"]
+    lines.append(f"| {name} | {p['steps']} | {p['arch_mean']:.2f} | {p['arch_p50']:.0f} | "
+                 f"{p['arch_p99']:.0f} | {'' if red is None else f'{red:.3f}'} | "
+                 f"{p['quota_violations']} | {p['reward_first']:.3f} | {p['reward_last']:.3f} | "
+                 f"{p['wall_s']:.0f} |")
+  lines += ["", "![learning curves](learning_curves.png)", ""]
+  return lines
+
+
+def transfer_section(t) -> list[str]:
+  lines = ["## Transfer latency: centralized baseline vs on-demand", "",
+           "![transfer](transfer_latency.png)", "",
+           "| workload | trajectories | exposed base / on-demand (s) | ratio | raw base / "
+           "on-demand (s) | ratio | bytes moved base / on-demand (MB) | total ratio |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+  for w, d in t.items():
+    lines.append(f"| {w} | {d['trajectories']} | {d['baseline_exposed_s']:.3f} / "
+                 f"{d['ondemand_exposed_s']:.3f} | {d['exposed_ratio']:.1f}x | "
+                 f"{d['baseline_raw_transfer_s']:.3f} / {d['ondemand_raw_transfer_s']:.3f} | "
+                 f"{d['raw_ratio']:.2f}x | {d['bytes_baseline'] / 1e6:.0f} / "
+                 f"{d['bytes_ondemand'] / 1e6:.0f} | {d['total_ratio']:.2f}x |")
+  lines += ["", "Ratios are baseline / on-demand. Exposed: the time a consumer's step waited "
+            "for data; raw: the time spent moving it, overlapped or not.", ""]
+  return lines
+
+
+def multimodal_section(m) -> list[str]:
+  c = m["config"]
+  lines = ["## Multimodal: transfer + training per mini-batch, with the ablations", "",
+           "![multimodal](multimodal_step.png)", "",
+           f"{c['consumers']} consumers, {c['prompts']} prompts x n = {c['n']}, {c['image']} px "
+           f"images, patch {c['patch']}, merge {c['merge']}, ViT / LM width {c['vit_width']} / "
+           f"{c['lm_width']}; mean of {c['mini_batches']} mini-batches.", "",
+           "| variant | s per mini-batch | of it exposed transfer (s) | speedup vs baseline |",
+           "| --- | --- | --- | --- |"]
+  per = m["seconds_per_mini_batch"]
+  for name, sec in per.items():
+    lines.append(f"| {name} | {sec:.2f} | {m['exposed_s_per_mini_batch'][name]:.2f} | "
+                 f"{per['baseline'] / sec:.2f}x |")
+  lines += ["", f"Gradient of the encode-once step against the naive one: max relative error "
+            f"{m['grad_max_rel_err']:.1e}. Encoder forwards per mini-batch: "
+            f"{m['encoder_forwards']['baseline']} -> {m['encoder_forwards']['knittrans']}. The "
+            f"encoder is {100 * m['encoder_share_naive']:.0f}% of the naive step's forward FLOPs.",
+            "", "How the speedup moves with n, image size and the encoder/backbone widths: "
+            "![sweep](multimodal_sweep.png) (`python scripts/bench_multimodal.py --sweep --json "
+            "figures/multimodal_sweep.json`, about 30 min here; not rerun by this script).", ""]
+  return lines
+
+
+SECTIONS = {"staleness": staleness_section, "runs": runs_section, "transfer": transfer_section,
+            "multimodal": multimodal_section}
+
+
+def write_summary(out, numbers):
+  made = numbers.get("made", {})
+  lines = ["# Figures and the numbers behind them", "",
+           "Made by `python scripts/reproduce_figures.py --out figures/` on a 2-core CPU machine "
+           "(see the README); each section says what produced it.", "",
+           "| group | made with | wall s |", "| --- | --- | --- |"]
+  for group in SECTIONS:
+    if group in made:
+      lines.append(f"| {group} | `{made[group]['command']}` | {made[group]['wall_s']:.0f} |")
+  lines.append("")
+  for group, section in SECTIONS.items():
+    if group in numbers:
+      lines += section(numbers[group])
   with open(os.path.join(out, "summary.md"), "w") as f:
     f.write("\n".join(lines))
+
+
+GROUPS = ("staleness", "runs", "transfer", "multimodal")
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   gin_cli.add_flags(parser)
-  parser.add_argument("--only", choices=["staleness"], default="staleness")
+  parser.add_argument("--only", nargs="+", choices=GROUPS, default=list(GROUPS),
+                      help="figure groups to (re)make; the others keep their numbers")
   parser.add_argument("--out", default="figures")
-  parser.add_argument("--sensitivity_batches", type=int, default=10,
-                      help="train batches per run in the sensitivity sweeps")
+  parser.add_argument("--quick", action="store_true",
+                      help="smaller runs and benchmarks (under 10 min here); same figures")
+  parser.add_argument("--work", default="runs/figures",
+                      help="where the runs and benchmark stores go (not committed)")
+  parser.add_argument("--sensitivity_batches", type=int, default=None,
+                      help="train batches per run in the sensitivity sweeps (default 10; quick 3)")
+  parser.add_argument("--train_batches", type=int, default=None,
+                      help="train batches per tiny run (default 100; quick 15)")
   args = parser.parse_args()
   if not args.gin_file:
     args.gin_file = ["configs/sim/paper_text.gin"]
   args.workdir = args.workdir or args.out
   gin_cli.parse(args)
   os.makedirs(args.out, exist_ok=True)
-  t0 = time.perf_counter()
-  numbers = {"staleness": staleness(args.out, args.sensitivity_batches)}
-  numbers["wall_s"] = time.perf_counter() - t0
-  with open(os.path.join(args.out, "numbers.json"), "w") as f:
-    json.dump(numbers, f, indent=1, default=float)
-  write_summary(args.out, numbers)
+  os.makedirs(args.work, exist_ok=True)
+  numbers_path = os.path.join(args.out, "numbers.json")
+  numbers = {}
+  if os.path.exists(numbers_path):  # groups not remade keep their numbers
+    with open(numbers_path) as f:
+      numbers = json.load(f)
+    if "staleness" in numbers and "made" not in numbers:
+      numbers["made"] = {"staleness": {"command": "--only staleness", "wall_s": numbers.get("wall_s", 0)}}
+  numbers.setdefault("made", {})
+  numbers.pop("wall_s", None)
+  command = "python scripts/reproduce_figures.py" + (" --quick" if args.quick else "")
+  sens = args.sensitivity_batches or (3 if args.quick else 10)
+  batches = args.train_batches or (15 if args.quick else 100)
+  makers = {
+      "staleness": lambda: staleness(args.out, sens),
+      "runs": lambda: real_runs(args.out, os.path.abspath(args.work), batches),
+      "transfer": lambda: transfer(args.out, os.path.abspath(args.work), args.quick),
+      "multimodal": lambda: multimodal(args.out, os.path.abspath(args.work), args.quick),
+  }
+  t_all = time.perf_counter()
+  for group in GROUPS:
+    if group not in args.only:
+      continue
+    t0 = time.perf_counter()
+    numbers[group] = makers[group]()
+    numbers["made"][group] = {"command": command, "wall_s": time.perf_counter() - t0}
+    with open(numbers_path, "w") as f:  # after every group: an interrupted run keeps the rest
+      json.dump(numbers, f, indent=1, default=float)
+    write_summary(args.out, numbers)
   gin_cli.save_operative_config(args.out)
   print(open(os.path.join(args.out, "summary.md")).read())
+  print(f"all groups in {time.perf_counter() - t_all:.0f} s")
 
 
 if __name__ == "__main__":

@@ -52,6 +52,12 @@ def test_simulate_script_writes_summary(tmp_path):
   assert (out / "frontier.json").exists() and (out / "operative_config.gin").exists()
 
 
+def figures_module():
+  sys.path.insert(0, "scripts")
+  import reproduce_figures
+  return reproduce_figures
+
+
 @pytest.mark.slow
 def test_reproduce_figures_staleness(tmp_path):
   out = tmp_path / "figs"
@@ -91,6 +97,10 @@ def test_bench_transfer_writes_its_json(tmp_path):
   assert r["bytes_moved"]["baseline"] > r["bytes_moved"]["ondemand"] > 0
   assert r["exposed_ratio"] > 0 and r["raw_ratio"] > 0
   assert r["trajectories"] == 32
+  fig = figures_module().transfer_figure({"vlm": r}, str(tmp_path))["vlm"]
+  assert fig["exposed_ratio"] == r["exposed_ratio"]
+  assert fig["baseline_exposed_s"] == r["baseline"]["exposed_s"]
+  assert (tmp_path / "transfer_latency.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -111,3 +121,7 @@ def test_bench_multimodal_writes_its_json(tmp_path):
   # naive encoder, 4 (one per unique image) through the encode-once step.
   assert r["encoder_forwards"] == {"baseline": 16, "knittrans": 4, "unique_images": 4}
   assert "speedup" in proc.stdout
+  fig = figures_module().multimodal_figure(r, str(tmp_path))
+  assert fig["seconds_per_mini_batch"]["dedup_only"] == r["ablation"]["dedup_only_s"]
+  assert fig["seconds_per_mini_batch"]["knittrans"] == r["knittrans_s"]
+  assert (tmp_path / "multimodal_step.png").stat().st_size > 0

@@ -176,8 +176,10 @@ def test_dedup_gradient_equals_naive_fp32_and_encodes_once(layout):
 
 
 def test_dedup_gradient_equals_naive_x64():
+  # One layout here (the fp32 test covers both layouts and both residual modes):
+  # float64 shows the gradient is exact, not merely close.
   with jax.enable_x64(True):
-    for layout, residuals in (("dp", "keep"), ("fsdp", "recompute")):
+    for layout, residuals in (("fsdp", "keep"),):
       fns, state, plan, iplan, images, naive, dedup, total = setup(layout, None, dtype="float64")
       want = naive_grads(fns, state, naive, total)
       assert jax.tree.leaves(want)[0].dtype == np.float64
