@@ -173,13 +173,26 @@ def staleness(out: str, sensitivity_batches: int) -> dict:
 
 
 # -- real tiny runs: staleness per policy and learning curves -------------------
-RUNS = {  # name: gin bindings on configs/text_grpo_tiny.gin
+# name: gin bindings on configs/text_grpo_tiny.gin (G = 16 groups per train batch).
+# The window W (groups dispatched, not yet trained) sets the pipeline depth: at one
+# W every policy has about the same staleness (Little's law); what early admission
+# buys is reaching the baseline's throughput with a smaller W, as in the simulator.
+RUNS = {
     "colocated": ["JobConfig.mode = 'colocated'"],
-    "train_batch": ["JobConfig.policy = 'train_batch'"],
-    "constraint_preserving": ["JobConfig.policy = 'constraint_preserving'"],
-    "fifo": ["JobConfig.policy = 'fifo'"],
+    "train_batch W=2G": ["JobConfig.policy = 'train_batch'", "JobConfig.window = 32"],
+    "constraint_preserving W=2G": ["JobConfig.policy = 'constraint_preserving'",
+                                   "JobConfig.window = 32"],
+    "constraint_preserving W=G": ["JobConfig.policy = 'constraint_preserving'",
+                                  "JobConfig.window = 16"],
+    "constraint_preserving W=G/2": ["JobConfig.policy = 'constraint_preserving'",
+                                    "JobConfig.window = 8"],
+    "fifo W=G/2": ["JobConfig.policy = 'fifo'", "JobConfig.window = 8"],
 }
-RUN_COLORS = {**COLORS, "colocated": "k"}
+BASELINE_RUN = "train_batch W=2G"
+RUN_STYLE = {"colocated": ("k", "-"), "train_batch W=2G": ("tab:red", "-"),
+             "constraint_preserving W=2G": ("tab:blue", ":"),
+             "constraint_preserving W=G": ("tab:blue", "--"),
+             "constraint_preserving W=G/2": ("tab:blue", "-"), "fifo W=G/2": ("tab:gray", "-")}
 
 
 def _subprocess(cmd, log_path, what):
@@ -199,13 +212,13 @@ def real_runs(out: str, work: str, train_batches: int) -> dict:
   bar = tqdm(RUNS.items(), desc="tiny runs", unit="run")
   for name, bindings in bar:
     bar.set_postfix(run=name)
-    wd = os.path.join(work, "runs", name)
+    wd = os.path.join(work, "runs", name.replace(" ", "_").replace("/", "_"))
     cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_tiny.gin",
            "--workdir", wd, "--overwrite",
            "--gin_bindings", f"JobConfig.train_batches = {train_batches}"]
     for b in bindings:
       cmd += ["--gin_bindings", b]
-    _subprocess(cmd, os.path.join(work, f"run_{name}.log"), f"the {name} run")
+    _subprocess(cmd, wd + ".log", f"the {name} run")
     results[name] = run_result(wd)
   return {"train_batches": train_batches, "policies": runs_figures(results, out)}
 
@@ -218,6 +231,7 @@ def run_result(workdir: str) -> dict:
     summary = json.load(f)
   arch = np.maximum(np.asarray([a for r in records for a in r["arch"]]), 0)
   return {"steps": len(records), "wall_s": summary["wall_s"],
+          "traj_per_s": summary["trajectories"] / summary["wall_s"],
           "quota_violations": summary["quota_violations"],
           "arch_mean": float(arch.mean()), "arch_p50": float(np.percentile(arch, 50)),
           "arch_p99": float(np.percentile(arch, 99)),
@@ -227,7 +241,7 @@ def run_result(workdir: str) -> dict:
 
 def runs_figures(results: dict, out: str) -> dict:
   """Both figures from {run name: run_result}; adds each run's reduction vs train_batch."""
-  tb = results.get("train_batch", {}).get("arch_mean", 0)
+  tb = results.get(BASELINE_RUN, {}).get("arch_mean", 0)
   for r in results.values():
     r["reduction_vs_train_batch"] = 1 - r["arch_mean"] / tb if tb > 0 else None
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -236,8 +250,9 @@ def runs_figures(results: dict, out: str) -> dict:
     hist = np.asarray(r["arch_hist"], float)
     cdf = np.cumsum(hist) / hist.sum()
     # Carried on to the common right edge, so colocated (all at 0) shows as a line.
+    color, ls = RUN_STYLE.get(name, ("tab:green", "-"))
     ax.step(np.append(np.arange(hist.size), xmax), np.append(cdf, cdf[-1]), where="post",
-            color=RUN_COLORS[name], lw=2.5 if name == "colocated" else 1.5,
+            color=color, ls=ls, lw=2.5 if name == "colocated" else 1.5,
             label=f"{name} (mean {r['arch_mean']:.2f})")
   ax.set_xlabel("architectural staleness max(a, 0) (versions)")
   ax.set_ylabel("fraction of trajectories")
@@ -252,7 +267,8 @@ def runs_figures(results: dict, out: str) -> dict:
     y = np.asarray(r["reward"])
     k = max(1, len(y) // 20)  # moving average over 5% of the run
     smooth = np.convolve(y, np.ones(k) / k, mode="valid")
-    ax.plot(np.arange(k, len(y) + 1), smooth, color=RUN_COLORS[name], label=name)
+    color, ls = RUN_STYLE.get(name, ("tab:green", "-"))
+    ax.plot(np.arange(k, len(y) + 1), smooth, color=color, ls=ls, label=name)
   ax.set_xlabel("optimizer step")
   ax.set_ylabel("mean reward of the step's trajectories")
   ax.set_title("Learning curves (moving average)")
@@ -388,14 +404,17 @@ def staleness_section(s) -> list[str]:
 def runs_section(r) -> list[str]:
   lines = ["## Staleness and learning in real tiny runs", "",
            f"`configs/text_grpo_tiny.gin`, {r['train_batches']} train batches per run "
-           "(4 optimizer steps each), 2 rollout workers; one run per row, one after another.", "",
+           "(4 optimizer steps each), 2 rollout workers; one run per row, one after another. "
+           "W is the window of groups in flight (G = 16). traj/s includes start-up and "
+           "compilation.", "",
            "![runs staleness](runs_staleness.png)", "",
-           "| run | steps | mean max(a,0) | p50 | p99 | reduction vs train_batch | "
+           "| run | steps | traj/s | mean max(a,0) | p50 | p99 | reduction vs train_batch W=2G | "
            "quota violations | reward first 10% | reward last 10% | wall s |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in r["policies"].items():
     red = p["reduction_vs_train_batch"]
-    lines.append(f"| {name} | {p['steps']} | {p['arch_mean']:.2f} | {p['arch_p50']:.0f} | "
+    lines.append(f"| {name} | {p['steps']} | {p.get('traj_per_s', float('nan')):.1f} | "
+                 f"{p['arch_mean']:.2f} | {p['arch_p50']:.0f} | "
                  f"{p['arch_p99']:.0f} | {'' if red is None else f'{red:.3f}'} | "
                  f"{p['quota_violations']} | {p['reward_first']:.3f} | {p['reward_last']:.3f} | "
                  f"{p['wall_s']:.0f} |")

@@ -101,3 +101,12 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   assert sum(r["tokens_skipped"] for r in records) == sum(m.response_len for m in lost)
   assert set(job.quarantine.quarantined) == {"worker1"}
   assert set(job.quarantine.bad_rows) == {m.id for m in lost}
+
+
+def test_launcher_reports_a_failed_process(tmp_path):
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes", "2",
+         "--devices_per_process", "1", "--", "--gin_file", "configs/text_grpo_test.gin",
+         "--gin_bindings", "JobConfig.no_such_knob = 1", "--workdir", str(tmp_path / "run")]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+  assert out.returncode != 0
+  assert "exited with code" in out.stderr and "no_such_knob" in out.stderr + out.stdout

@@ -19,6 +19,9 @@ class JobConfig:
   suite: 'text' (a decoder on text tasks) or 'vision' (a VLM on generated images).
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
+  control_address: HOST:PORT where the controller serves rollout workers on other
+    hosts (scripts/rollout_worker.py; port 0 picks a free one); None: local
+    workers only. `workers` local ones are started either way (0 is allowed then).
   consumers: data-parallel consumers a mini-batch is planned over (dataplane/);
     default one per trainer process. Each process trains its consumers' rows; one
     process given C > 1 trains all C's rows (the single-process reference of a
@@ -39,6 +42,7 @@ class JobConfig:
   suite: str = "text"  # or 'vision'
   encode_once: bool = True
   consumers: int | None = None
+  control_address: str | None = None
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -57,8 +61,10 @@ class JobConfig:
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")
-    if self.mode == "disaggregated" and self.workers <= 0:
-      raise ValueError(f"JobConfig.workers = {self.workers} must be positive")
+    if self.mode == "disaggregated" and (self.workers < 0 or (
+        self.workers == 0 and not self.control_address)):
+      raise ValueError(f"JobConfig.workers = {self.workers}: at least one local worker, unless "
+                       "remote ones can join (JobConfig.control_address)")
 
   @property
   def groups_in_flight(self) -> int:

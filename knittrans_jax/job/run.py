@@ -42,6 +42,7 @@ from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, check_de
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
 from knittrans_jax.rollout.groups import rollout_groups, suite_prompt_len, suite_sources
+from knittrans_jax.rollout.remote import ControlServer
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.rollout.worker import worker_main
@@ -461,38 +462,67 @@ class Job:
 
     for w in range(cfg.workers):
       start(w)
+    control = None
+    if cfg.control_address:  # rollout workers on other hosts may join (rollout/remote.py)
+      used = [int(u[6:]) for u in self.store.units() if u.startswith("worker") and u[6:].isdigit()]
+      control = ControlServer(self.workdir, cfg.control_address, max([cfg.workers - 1, *used]) + 1,
+                              dict(store_url=self.store_url, seed=cfg.seed, n=spec.group_size,
+                                   model_config=self.model_cfg, sampler_config=self.sampler_cfg,
+                                   suite=cfg.suite, vit_config=self.vit_cfg))
+      print(f"serving remote rollout workers at {control.address} "
+            f"(scripts/rollout_worker.py --workdir {self.workdir})")
+
+    def send(w, request):
+      (requests[w] if w in workers else control.requests[w]).put(request)
+
+    def handle(msg):
+      if msg[0] == "done":
+        _, w, gid, metas = msg
+        if assigned.pop(gid, None) is not None:
+          self._finished(metas)
+      elif msg[0] in ("alive", "hello"):
+        if msg[0] == "hello":
+          print(f"\nremote rollout worker {msg[1]} joined from {msg[2]}")
+        control.seen(msg[1])
+      else:
+        print(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
+
     replace = collections.deque()
     in_window, dropped_seen = self.resumed_groups, len(self.policy.dropped)
     self.restarts = 0
     try:
       while self.version < target and not self.stop_requested:
         # Dispatch up to the window; dropped or failed groups are replaced first.
-        while in_window < cfg.groups_in_flight:
+        ready = [*workers, *(control.alive() if control else ())]
+        while ready and in_window < cfg.groups_in_flight:
           gid = self.next_group
           self.next_group += 1
           source = replace.popleft() if replace else self.quotas.next()
-          w = min(workers, key=lambda w: sum(a == w for a, _ in assigned.values()))
-          requests[w].put((gid, source))
+          w = min(ready, key=lambda w: sum(a == w for a, _ in assigned.values()))
+          send(w, (gid, source))
           assigned[gid] = (w, source)
           self.policy.dispatched(source)
           in_window += 1
         # Reports: block briefly only when there is nothing to train.
-        try:
-          msg = reports.get(timeout=0.05)
-        except queue.Empty:
-          msg = None
-        while msg is not None:
-          if msg[0] == "done":
-            _, w, gid, metas = msg
-            if assigned.pop(gid, None) is not None:
-              self._finished(metas)
-          else:
-            print(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
+        queues = [reports, control.reports] if control else [reports]
+        for k, q in enumerate(queues):
           try:
-            msg = reports.get_nowait()
+            msg = q.get(timeout=0.05 if k == 0 else 0)
           except queue.Empty:
-            msg = None
+            continue
+          while msg is not None:
+            handle(msg)
+            try:
+              msg = q.get_nowait()
+            except queue.Empty:
+              msg = None
         in_window -= self._recover_dead_workers(workers, assigned, replace, start)
+        if control:
+          for w in control.silent():
+            print(f"\nremote rollout worker {w} silent for {control.timeout_s:.0f} s; "
+                  "re-dispatching what it held")
+            control.forget(w)
+            in_window -= self._release(w, assigned, replace)
         while (mb := self.policy.admit(self.version)) is not None:
           self.train(mb)
           in_window -= len(mb.groups)
@@ -507,6 +537,8 @@ class Job:
         dropped_seen = len(self.policy.dropped)
     finally:
       stop.set()
+      if control:
+        control.close()
       for w in workers:
         requests[w].put(None)
       for p in workers.values():
@@ -515,30 +547,36 @@ class Job:
           p.terminate()
 
   def _recover_dead_workers(self, workers, assigned, replace, start) -> int:
-    """Restarts dead workers. Their committed groups count as finished; the rest of
-    what they held is reported failed (and re-dispatched). Returns groups failed."""
+    """Restarts dead local workers after releasing what they held. Returns groups failed."""
     failed = 0
     for w, p in list(workers.items()):
       if p.is_alive():
         continue
       print(f"\nrollout worker {w} died (exit code {p.exitcode}); restarting it")
       self.restarts += 1
-      held = {gid: s for gid, (ww, s) in assigned.items() if ww == w}
-      unit = f"worker{w}"
-      committed = collections.defaultdict(list)
-      if unit in self.store.units():
-        for m in self.store.list_committed(unit):
-          if m.group_id in held:
-            committed[m.group_id].append(m)
-      for gid, source in held.items():
-        del assigned[gid]
-        if len(committed[gid]) == self.cfg.spec.group_size:
-          self._finished(sorted(committed[gid], key=lambda m: m.index_in_group))
-        else:
-          self.policy.failed(source)
-          replace.append(source)
-          failed += 1
+      failed += self._release(w, assigned, replace)
       start(w)
+    return failed
+
+  def _release(self, w, assigned, replace) -> int:
+    """A lost worker's groups: those fully committed in its unit count as finished;
+    the rest are reported failed and re-dispatched. Returns groups failed."""
+    held = {gid: s for gid, (ww, s) in assigned.items() if ww == w}
+    unit = f"worker{w}"
+    committed = collections.defaultdict(list)
+    if held and unit in self.store.units():
+      for m in self.store.list_committed(unit):
+        if m.group_id in held:
+          committed[m.group_id].append(m)
+    failed = 0
+    for gid, source in held.items():
+      del assigned[gid]
+      if len(committed[gid]) == self.cfg.spec.group_size:
+        self._finished(sorted(committed[gid], key=lambda m: m.index_in_group))
+      else:
+        self.policy.failed(source)
+        replace.append(source)
+        failed += 1
     return failed
 
 
