@@ -213,6 +213,7 @@ def real_runs(out: str, work: str, train_batches: int) -> dict:
   for name, bindings in bar:
     bar.set_postfix(run=name)
     wd = os.path.join(work, "runs", name.replace(" ", "_").replace("/", "_"))
+    os.makedirs(os.path.dirname(wd), exist_ok=True)
     cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_tiny.gin",
            "--workdir", wd, "--overwrite",
            "--gin_bindings", f"JobConfig.train_batches = {train_batches}"]
