@@ -58,6 +58,8 @@ def launch(processes: int, devices_per_process: int, train_args: list[str],
   wd.add_argument("--workdir", default="runs/text_grpo_tiny")
   wd.add_argument("--overwrite", action="store_true")
   known, rest = wd.parse_known_args(train_args)
+  if known.overwrite and "--resume" in rest:
+    raise ValueError("--overwrite and --resume exclude each other (nothing was deleted)")
   if known.overwrite:  # here, once, before any process writes into the work dir
     shutil.rmtree(known.workdir, ignore_errors=True)
   logs = os.path.join(known.workdir, "logs")
@@ -65,20 +67,15 @@ def launch(processes: int, devices_per_process: int, train_args: list[str],
   address = f"localhost:{port or free_port()}"
   env = child_env(devices_per_process)
   procs, log_paths = [], []
-  for p in range(processes):
-    cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--workdir", known.workdir,
-           *rest]
-    if processes > 1:
-      cmd += ["--coordinator_address", address, "--num_processes", str(processes),
-              "--process_id", str(p)]
-    if p == 0:
-      out, path = None, None
-    else:
-      path = os.path.join(logs, f"trainer{p}.log")
-      out = open(path, "w")
-    procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                  start_new_session=p > 0))
-    log_paths.append(path)
+  # Handlers first, then the children: a signal never finds them unsupervised.
+  # Ctrl-C is forwarded once to process 0 (every child has its own session, so the
+  # terminal's SIGINT reaches only this launcher); SIGTERM stops them all.
+  def on_sigint(*_):
+    if procs:
+      procs[0].send_signal(signal.SIGINT)
+
+  def on_sigterm(*_):
+    raise SystemExit(143)  # the finally below stops the children
 
   def stop_all():
     for q in procs:
@@ -92,8 +89,23 @@ def launch(processes: int, devices_per_process: int, train_args: list[str],
         q.kill()
         q.wait()
 
-  previous = signal.signal(signal.SIGINT, lambda *_: procs[0].send_signal(signal.SIGINT))
+  previous = (signal.signal(signal.SIGINT, on_sigint), signal.signal(signal.SIGTERM, on_sigterm))
   try:
+    for p in range(processes):
+      cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--workdir", known.workdir,
+             *rest]
+      if processes > 1:
+        cmd += ["--coordinator_address", address, "--num_processes", str(processes),
+                "--process_id", str(p)]
+      if p == 0:
+        out, path = None, None
+      else:
+        path = os.path.join(logs, f"trainer{p}.log")
+        out = open(path, "w")
+      procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    start_new_session=True))
+      log_paths.append(path)
+
     while True:
       codes = [q.poll() for q in procs]
       failed = [p for p, c in enumerate(codes) if c not in (None, 0)]
@@ -109,7 +121,8 @@ def launch(processes: int, devices_per_process: int, train_args: list[str],
         return 0
       time.sleep(poll_s)
   finally:
-    signal.signal(signal.SIGINT, previous)
+    signal.signal(signal.SIGINT, previous[0])
+    signal.signal(signal.SIGTERM, previous[1])
     if any(q.poll() is None for q in procs):
       stop_all()
 

@@ -230,7 +230,9 @@ def run_result(workdir: str) -> dict:
     records = [json.loads(line) for line in f if line.strip()]
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
-  arch = np.maximum(np.asarray([a for r in records for a in r["arch"]]), 0)
+  arch = np.maximum(np.asarray([a for r in records for a in r["arch"]], dtype=int), 0)
+  if arch.size == 0:
+    raise ValueError(f"{workdir}: the run trained no step, so it has no staleness to plot")
   return {"steps": len(records), "wall_s": summary["wall_s"],
           "traj_per_s": summary["trajectories"] / summary["wall_s"],
           "quota_violations": summary["quota_violations"],
@@ -316,7 +318,7 @@ def transfer_figure(benches: dict, out: str) -> dict:
              color="tab:red" if side == "baseline" else "tab:blue")
     ax.set_xticks(x, workloads)
     ax.set_yscale("log")
-    ax.set_ylabel("seconds (max over consumers)")
+    ax.set_ylabel("seconds, whole bench (max over consumers)")
     ax.set_title(f"transfer latency: {title}")
     ax.legend()
   fig.suptitle("Centralized baseline vs on-demand reads (scripts/bench_transfer.py)")
@@ -405,9 +407,10 @@ def staleness_section(s) -> list[str]:
 def runs_section(r) -> list[str]:
   lines = ["## Staleness and learning in real tiny runs", "",
            f"`configs/text_grpo_tiny.gin`, {r['train_batches']} train batches per run "
-           "(4 optimizer steps each), 2 rollout workers; one run per row, one after another. "
-           "W is the window of groups in flight (G = 16). traj/s includes start-up and "
-           "compilation.", "",
+           "(4 optimizer steps each), 2 rollout workers in the disaggregated runs; one run per "
+           "row, one after another. W is the window of groups in flight (G = 16). traj/s is "
+           "trajectories over the job's wall time from the start of its loop (compilation "
+           "included, process start-up not).", "",
            "![runs staleness](runs_staleness.png)", "",
            "| run | steps | traj/s | mean max(a,0) | p50 | p99 | reduction vs train_batch W=2G | "
            "quota violations | reward first 10% | reward last 10% | wall s |",
@@ -419,7 +422,9 @@ def runs_section(r) -> list[str]:
                  f"{p['arch_p99']:.0f} | {'' if red is None else f'{red:.3f}'} | "
                  f"{p['quota_violations']} | {p['reward_first']:.3f} | {p['reward_last']:.3f} | "
                  f"{p['wall_s']:.0f} |")
-  lines += ["", "![learning curves](learning_curves.png)", ""]
+  lines += ["", "![learning curves](learning_curves.png)", "",
+            "One seed per run: the seed-to-seed spread of the reward was not measured, so "
+            "read the learning curves as qualitative.", ""]
   return lines
 
 
@@ -435,8 +440,10 @@ def transfer_section(t) -> list[str]:
                  f"{d['baseline_raw_transfer_s']:.3f} / {d['ondemand_raw_transfer_s']:.3f} | "
                  f"{d['raw_ratio']:.2f}x | {d['bytes_baseline'] / 1e6:.0f} / "
                  f"{d['bytes_ondemand'] / 1e6:.0f} | {d['total_ratio']:.2f}x |")
-  lines += ["", "Ratios are baseline / on-demand. Exposed: the time a consumer's step waited "
-            "for data; raw: the time spent moving it, overlapped or not.", ""]
+  lines += ["", "Seconds are summed over the whole bench (every mini-batch; the max over "
+            "consumers), so a --quick run's are not comparable with a full run's. Ratios are "
+            "baseline / on-demand. Exposed: the time a consumer's step waited for data; raw: "
+            "the time spent moving it, overlapped or not.", ""]
   return lines
 
 
@@ -517,7 +524,10 @@ def main():
       numbers["made"] = {"staleness": {"command": "--only staleness", "wall_s": numbers.get("wall_s", 0)}}
   numbers.setdefault("made", {})
   numbers.pop("wall_s", None)
-  command = "python scripts/reproduce_figures.py" + (" --quick" if args.quick else "")
+  command = " ".join(["python scripts/reproduce_figures.py"] + (["--quick"] if args.quick else [])
+                     + ([f"--train_batches {args.train_batches}"] if args.train_batches else [])
+                     + ([f"--sensitivity_batches {args.sensitivity_batches}"]
+                        if args.sensitivity_batches else []))
   sens = args.sensitivity_batches or (3 if args.quick else 10)
   batches = args.train_batches or (15 if args.quick else 100)
   makers = {

@@ -40,8 +40,11 @@ def main():
       time.sleep(HEARTBEAT_S)
 
   threading.Thread(target=heartbeat, daemon=True).start()
+  store_url = job["store_url"]
+  if job.get("store_in_workdir"):  # the default store: WORKDIR/store as this host mounts it
+    store_url = "file://" + os.path.join(os.path.abspath(args.workdir), "store")
   try:
-    worker_main(w, os.path.abspath(args.workdir), job["store_url"], job["seed"], job["n"],
+    worker_main(w, os.path.abspath(args.workdir), store_url, job["seed"], job["n"],
                 job["model_config"], job["sampler_config"], requests, reports, stop,
                 suite=job["suite"], vit_config=job["vit_config"])
   except (OSError, EOFError) as e:  # the controller went away mid-call

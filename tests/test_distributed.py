@@ -110,3 +110,9 @@ def test_launcher_reports_a_failed_process(tmp_path):
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert out.returncode != 0
   assert "exited with code" in out.stderr and "no_such_knob" in out.stderr + out.stdout
+  (tmp_path / "keep").mkdir()
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--",
+         "--workdir", str(tmp_path / "keep"), "--overwrite", "--resume"]
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+  assert out.returncode == 2 and "exclude each other" in out.stderr
+  assert (tmp_path / "keep").exists()  # nothing was deleted

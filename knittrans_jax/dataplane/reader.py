@@ -82,7 +82,7 @@ class PrefetchingReader:
       payload.images = {iid: self._images[iid] for m in payload.metas for iid in m.image_ids}
     self.stats.bytes_read += nbytes
     if self.unit_host is not None and self.host is not None:
-      self.stats.bytes_local += sum(m.length * 9 for m in metas  # int32 + float32 + uint8
+      self.stats.bytes_local += sum(m.length * 9 for m in payload.metas  # int32+float32+uint8
                                     if self.unit_host.get(m.unit) == self.host)
     self.stats.rows_read.update(m.id for m in payload.metas)
     batch = self.prepare(payload)

@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import signal
+import sys
 import threading
 import time
 
@@ -53,7 +54,7 @@ from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, Opt
                                  StepFunctions, abstract_state, check_batch, init_train_state,
                                  make_mesh, make_optimizer)
 from knittrans_jax.train.batch import batch_shardings, put_batch, rows_multiple
-from knittrans_jax.train.mesh import replicated
+from knittrans_jax.train.mesh import logical_sharding, replicated
 from knittrans_jax.train.step import text_forward
 
 
@@ -116,13 +117,12 @@ class Job:
     if cfg.micro_batch_size % self.rows_multiple:
       raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
                        f"the mesh's {self.rows_multiple} batch shards")
-    if self.rows_multiple % self.processes:
-      raise ValueError(f"the mesh's {self.rows_multiple} batch shards do not split over "
-                       f"{self.processes} processes (MeshConfig.rules put 'batch' on fewer axes)")
+    if self.processes > 1:
+      self._check_rows_per_process()
     self.local_rows = cfg.micro_batch_size // self.processes  # this process's rows per step
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
-    if self.controller and not resume and (self.ckpt.latest_step() is not None
-                                           or os.path.exists(os.path.join(self.workdir, "store"))):
+    if not resume and (self.ckpt.latest_step() is not None
+                       or os.path.exists(os.path.join(self.workdir, "store"))):
       raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
                        "--overwrite to start over, or another --workdir")
     self.progress = {"consumed": [], "next_group": 0, "steps": 0, "position": None}
@@ -133,6 +133,7 @@ class Job:
       else:
         self.state, self.progress = restored
     self.store_url = cfg.store_url or "file://" + os.path.join(self.workdir, "store")
+    barrier("knittrans_checked")  # every process looked before process 0 creates the store
     if self.controller:
       self.store = TrajectoryStore.create(self.store_url, StoreSchema(
           sources=self.sources, max_prompt_len=self.prompt_len,
@@ -166,6 +167,19 @@ class Job:
     self.exposed_wait_s = 0.0
     self.raw_transfer_s = 0.0
     self._batch_sh = None
+
+  def _check_rows_per_process(self) -> None:
+    """Process p's local rows must be the p-th contiguous block of every global batch
+    (each process passes only its rows; slot and row numbering rely on the order)."""
+    B, P, p = self.rows_multiple, self.processes, self.process
+    sharding = logical_sharding(self.mesh, self.rules, "batch")
+    blocks = {(i[0].start or 0, B if i[0].stop is None else i[0].stop)
+              for i in sharding.addressable_devices_indices_map((B,)).values()}
+    if (B % P or min(blocks)[0] != p * B // P or max(b for _, b in blocks) != (p + 1) * B // P
+        or sum(b - a for a, b in blocks) != B // P):
+      raise ValueError(f"process {p} of {P} holds batch rows {sorted(blocks)} of every {B}: the "
+                       "mesh must split 'batch' over the processes in process order "
+                       "(MeshConfig.axes / rules)")
 
   @property
   def version(self) -> int:
@@ -202,8 +216,12 @@ class Job:
 
   def follow(self) -> None:
     """(processes > 0) Carries out the controller's commands until it finishes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # process 0 decides when the run stops
     while True:
       command, kwargs = self.channel.receive()
+      if command == "abort":
+        raise RuntimeError(f"process 0 failed ({kwargs['reason']}); process {self.process} "
+                           "stops too")
       getattr(self, "_do_" + command)(**kwargs)
       if command == "finish":
         return
@@ -360,7 +378,6 @@ class Job:
     target = self.cfg.train_batches * self.cfg.spec.num_mini_batches
     self.bar = tqdm(total=target, initial=min(self.version, target), desc=self.cfg.mode,
                     unit="step", dynamic_ncols=True, mininterval=0.5)
-    self._feed_unconsumed()
     # Ctrl-C only sets a flag: the loops stop at the next step boundary, so a step is
     # never half recorded (state advanced but its trajectories not marked consumed).
     self.stop_requested = False
@@ -368,18 +385,28 @@ class Job:
     def on_sigint(signum, frame):
       self.stop_requested = True
     previous = signal.signal(signal.SIGINT, on_sigint)
+    completed = False
     try:
+      self._feed_unconsumed()
       if self.cfg.mode == "colocated":
         self._colocated(target)
       else:
         self._disaggregated(target)
       if self.stop_requested:
         print("\ninterrupted: saving a checkpoint; resume with --resume")
+      completed = True
     finally:
       signal.signal(signal.SIGINT, previous)
       self.bar.close()
-      self.save(force=True)
-      self._all("finish")
+      if completed or self.processes == 1:
+        try:
+          self.save(force=True)
+        finally:
+          self._all("finish")
+      else:
+        # A failure may have come mid-step, with the others inside a collective: no
+        # collective checkpoint now (the last periodic one stands); tell them to stop.
+        self.channel.send(("abort", {"reason": repr(sys.exc_info()[1])}))
     self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
                                exposed_data_wait_s=self.exposed_wait_s,
@@ -467,6 +494,7 @@ class Job:
       used = [int(u[6:]) for u in self.store.units() if u.startswith("worker") and u[6:].isdigit()]
       control = ControlServer(self.workdir, cfg.control_address, max([cfg.workers - 1, *used]) + 1,
                               dict(store_url=self.store_url, seed=cfg.seed, n=spec.group_size,
+                                   store_in_workdir=cfg.store_url is None,
                                    model_config=self.model_cfg, sampler_config=self.sampler_cfg,
                                    suite=cfg.suite, vit_config=self.vit_cfg))
       print(f"serving remote rollout workers at {control.address} "

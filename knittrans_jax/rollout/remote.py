@@ -9,7 +9,9 @@ the store by its URL and the weights through the work dir.
 
 Liveness: a remote worker sends ("alive", id) every `HEARTBEAT_S`; one silent for
 `timeout_s` is treated like a dead local worker (its committed groups count, the
-rest are re-dispatched) and may register again later under a new id.
+rest are re-dispatched, what it had not taken is dropped). If that same process
+speaks again, its heartbeat makes it dispatchable again; a restarted worker joins
+under a new id.
 """
 from __future__ import annotations
 
@@ -67,7 +69,9 @@ class ControlServer:
     advertised = socket.gethostname() if host in ("0.0.0.0", "") else host
     self.path = os.path.join(workdir, CONTROL_FILE)
     tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:  # rename: a worker never reads half of it
+    # Readable by this user only: the key lets a client run code in the controller
+    # (managers unpickle what clients send). Renamed into place: never read half-written.
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
       json.dump({"host": advertised, "port": bound, "authkey": authkey.hex()}, f)
     os.replace(tmp, self.path)
     self.address = f"{advertised}:{bound}"
@@ -97,6 +101,8 @@ class ControlServer:
     self.stop.set()
     for q in self.requests.values():
       q.put(None)
+    # The server thread lives on until the process exits: a worker that connects
+    # after this finds `stop` set and leaves at once.
     try:
       os.remove(self.path)
     except FileNotFoundError:
