@@ -96,6 +96,14 @@ class GroupInfo:
   rewards: tuple[float, ...] = ()
   metas: tuple[TrajMeta, ...] = ()
 
+  @classmethod
+  def from_metas(cls, metas) -> "GroupInfo":
+    """A finished group from its trajectories' store records (one group, in order)."""
+    return cls(group_id=metas[0].group_id, source=metas[0].source,
+               num_tokens=sum(m.length for m in metas),
+               version=min(m.version_first for m in metas),
+               rewards=tuple(m.reward for m in metas), metas=tuple(metas))
+
   @property
   def zero_signal(self) -> bool:
     """All rewards equal: group-normalised advantages are all zero."""

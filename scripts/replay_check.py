@@ -31,8 +31,7 @@ def main():
   parser.add_argument("--rtol", type=float, default=1e-5)
   parser.add_argument("--atol", type=float, default=1e-6)
   args = parser.parse_args()
-  from knittrans_jax.job.replay import replay
-  from knittrans_jax.train import Checkpointer, abstract_state
+  from knittrans_jax.job.replay import replay, run_state
 
   run = os.path.abspath(args.run_dir)
   consumers = args.consumers
@@ -52,10 +51,7 @@ def main():
             f"{b['grad_norm']:>18.8f}")
       ok &= a["ids"] == b["ids"]
       ok &= bool(np.isclose(b["loss"], a["loss"], rtol=args.rtol, atol=args.atol))
-    ckpt = Checkpointer(os.path.join(run, "checkpoints"))
-    state, _ = ckpt.restore(abstract_state(job.state, jax.tree.map(lambda x: x.sharding,
-                                                                    job.state)))
-    ckpt.close()
+    state = run_state(run, job.state)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
                for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.state.params)))
     ok &= all(np.allclose(np.asarray(a), np.asarray(b), rtol=args.rtol, atol=args.atol)

@@ -28,7 +28,6 @@ import subprocess
 import sys
 import time
 
-import gin
 import matplotlib
 
 matplotlib.use("Agg")

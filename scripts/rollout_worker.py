@@ -31,13 +31,12 @@ def main():
   done = threading.Event()
 
   def heartbeat():
-    from knittrans_jax.rollout.remote import HEARTBEAT_S
     while not done.is_set():
       try:
         reports.put(("alive", w))
       except (OSError, EOFError):
         return  # the job is gone; the main loop notices too
-      time.sleep(HEARTBEAT_S)
+      time.sleep(remote.HEARTBEAT_S)
 
   threading.Thread(target=heartbeat, daemon=True).start()
   store_url = job["store_url"]

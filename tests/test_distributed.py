@@ -41,8 +41,7 @@ def two_process_run(tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
-  from knittrans_jax.job.replay import replay
-  from knittrans_jax.train import Checkpointer, abstract_state
+  from knittrans_jax.job.replay import replay, run_state
 
   run = two_process_run
   summary = json.loads((run / "summary.json").read_text())
@@ -64,10 +63,7 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
   for a, b in zip(records, job.log.records):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
-  target = abstract_state(job.state, jax.tree.map(lambda x: x.sharding, job.state))
-  ckpt = Checkpointer(str(run / "checkpoints"))
-  state, _ = ckpt.restore(target)
-  ckpt.close()
+  state = run_state(str(run), job.state)
   assert int(state.version) == int(job.state.version) == 4
   for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

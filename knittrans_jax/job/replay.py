@@ -11,8 +11,10 @@ import json
 import os
 
 import gin
+import jax
 
 from knittrans_jax.job.run import Job
+from knittrans_jax.train import Checkpointer, abstract_state
 from knittrans_jax.types import GroupInfo, MiniBatch
 
 
@@ -31,14 +33,20 @@ def logged_mini_batches(run_dir: str, store) -> list[MiniBatch]:
       if gid not in by_group:
         raise ValueError(f"{run_dir}: step {r['step']} trained group {gid}, which its store "
                          "does not hold")
-      metas = sorted(by_group[gid], key=lambda m: m.index_in_group)
-      groups.append(GroupInfo(group_id=gid, source=metas[0].source,
-                              num_tokens=sum(m.length for m in metas),
-                              version=min(m.version_first for m in metas),
-                              rewards=tuple(m.reward for m in metas), metas=tuple(metas)))
+      groups.append(GroupInfo.from_metas(sorted(by_group[gid], key=lambda m: m.index_in_group)))
     out.append(MiniBatch(train_batch=r["train_batch"], index=r["index"], groups=tuple(groups),
                          admitted_version=r["step"] - 1))
   return out
+
+
+def run_state(run_dir: str, like):
+  """The run's last checkpointed TrainState, sharded like the TrainState `like`."""
+  ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"))
+  try:
+    state, _ = ckpt.restore(abstract_state(like, jax.tree.map(lambda x: x.sharding, like)))
+  finally:
+    ckpt.close()
+  return state
 
 
 def replay(run_dir: str, workdir: str, consumers: int) -> Job:

@@ -465,10 +465,7 @@ class Job:
 
   def _finished(self, metas):
     self.seen_groups.add(metas[0].group_id)
-    self.policy.finished(GroupInfo(
-        group_id=metas[0].group_id, source=metas[0].source, num_tokens=sum(m.length for m in metas),
-        version=min(m.version_first for m in metas), rewards=tuple(m.reward for m in metas),
-        metas=tuple(metas)))
+    self.policy.finished(GroupInfo.from_metas(metas))
 
   def _disaggregated(self, target):
     cfg, spec = self.cfg, self.cfg.spec
