@@ -6,11 +6,14 @@
 A real store on disk (file://, 4 producer units) holds --mini_batches mini-batches
 of --prompts GRPO groups, n responses each, one float32 image of --image x --image
 x 3 per prompt, stored once. --consumers consumer processes (one CPU device each)
-split every mini-batch (plan_micro_batches; whole groups per consumer) and each
-takes a full optimizer step of the tiny VLM (ViT + projector + decoder, the widths
-of configs/vlm_grpo_tiny.gin; 14-pixel patches and a 2 x 2 merge as in Qwen2-VL, so
-a 448 image is 1024 ViT tokens and 256 LM tokens) on its share: GRPO loss, grads over its micro-batches, AdamW update. The
-cross-consumer gradient all-reduce is left out: it is the same in all four variants.
+split every mini-batch (planned as the job plans it, job/work.py; whole groups per
+consumer) and each takes a full optimizer step of the tiny VLM (ViT + projector +
+decoder, the widths of configs/vlm_grpo_tiny.gin; 14-pixel patches and a 2 x 2
+merge as in Qwen2-VL, so a 448 image is 1024 ViT tokens and 256 LM tokens) on its
+share with the job's own trainer (job/trainer.py): GRPO loss, grads over its
+micro-batches, AdamW update. The cross-consumer gradient all-reduce is left out:
+it is the same in all four variants. The variants differ only in the trainer's
+data path (`Centralized` or `OnDemand`) and step (naive or encode-once):
 
   baseline       centralized transfer (a driver gathers the train batch, copies the
                  image into every trajectory, pickles each consumer's slice through
@@ -25,15 +28,15 @@ cross-consumer gradient all-reduce is left out: it is the same in all four varia
 
 Each variant's time is from its go signal until every consumer has applied its last
 update, divided by the number of mini-batches; the max over consumers is reported.
-Everything is compiled before any timing. Before timing, consumer 0 also computes
-one mini-batch's gradient both ways on the same data (grad_max_rel_err: the largest
-per-parameter max|dedup - naive| / max|naive|) and every consumer counts the images
-its encoder runs on for one mini-batch (encoder_forwards, summed over consumers).
+Everything is compiled before any timing. Before timing, every consumer also
+computes its first mini-batch's gradient both ways through the trainer
+(step(apply=False)) on the same data (grad_max_rel_err: the largest per-parameter
+max|dedup - naive| / max|naive|) and counts the images its encoder runs on
+(encoder_forwards, summed over consumers).
 """
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import json
 import multiprocessing as mp
 import os
@@ -116,168 +119,91 @@ def model_flops(a) -> dict:
           "vit_tokens": vit.num_patches, "lm_image_tokens": vit.num_tokens}
 
 
-def consumer(rank, store_url, plans, args_dict, conn, results, go, ready):
-  """plans[k]: this consumer's micro-batches (TrajMeta lists) of mini-batch k."""
+def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
+  """Trains consumer `rank`'s share of `works` (one StepWork per mini-batch)."""
   os.environ["XLA_FLAGS"] = ""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp
 
-  from knittrans_jax.dataplane import PrefetchingReader
-  from knittrans_jax.dataplane import centralized as C
-  from knittrans_jax.job.batching import build_batch, group_advantages_by_id
+  from knittrans_jax.dataplane.centralized import PipeFetch
+  from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
   from knittrans_jax.models.vlm import VLM
-  from knittrans_jax.multimodal import (EncodeOnceStep, EncoderCalls, naive_vlm_forward,
-                                        plan_images, read_slot_images, slots_from_images)
+  from knittrans_jax.multimodal import EncodeOnceStep, EncoderCalls, naive_vlm_forward
   from knittrans_jax.rl import LossConfig
   from knittrans_jax.storage import TrajectoryStore
   from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
                                    make_mesh, make_optimizer)
-  from knittrans_jax.types import GroupInfo
 
   a = argparse.Namespace(**args_dict)
   vit, lm = vlm_configs(a)
   mesh_cfg = MeshConfig()
   mesh = make_mesh(mesh_cfg)
   tx = make_optimizer(OptimizerConfig(learning_rate=1e-4))
-  model_fn = lambda r: VLM(vit, lm, r)  # noqa: E731
-  graphdef, state0, sh = init_train_state(model_fn, tx, mesh, mesh_cfg.rules, 0)
-  calls = EncoderCalls()
-  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
-                      forward=naive_vlm_forward())
-  step = EncodeOnceStep(fns)
-  counted_fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
-                              forward=naive_vlm_forward(calls))
-  counted_step = EncodeOnceStep(fns, calls=calls)
-  rows, shape = a.micro, (a.image, a.image, 3)
-  slots_per = max(len({m.image_ids[0] for mi in plan for m in mi}) for plan in plans)
-  iplans = [plan_images([plan], min_slots=slots_per) for plan in plans]
-  advs = []
-  for plan in plans:
-    groups = {}
-    for mi in plan:
-      for m in mi:
-        groups.setdefault(m.group_id, []).append(m)
-    # GRPO advantages need the whole group; groups split over consumers use their
-    # rows here (the same in every variant).
-    advs.append(group_advantages_by_id([GroupInfo(g, "vqa", 0, 0, metas=tuple(ms))
-                                        for g, ms in groups.items()]))
-  totals = [sum(m.response_len for mi in plan for m in mi) for plan in plans]
+  graphdef, state0, sh = init_train_state(lambda r: VLM(vit, lm, r), tx, mesh, mesh_cfg.rules, 0)
 
-  slot_of = [{iid: s for s, iid in enumerate(ip.slots) if iid is not None} for ip in iplans]
-
-  def prepare(k, payload, dedup):
-    batch = build_batch(payload, advs[k], a.seq, rows)
-    if dedup:
-      index = np.zeros(rows, np.int32)
-      index[:len(payload.metas)] = [slot_of[k][m.image_ids[0]] for m in payload.metas]
-      batch["image_index"] = index
-    else:
-      images = np.zeros((rows, *shape), np.float32)
-      for i, m in enumerate(payload.metas):
-        images[i] = payload.images[m.image_ids[0]]
-      batch["images"] = images
-    return batch
-
-  def put(batch):
-    return {key: jax.device_put(v) for key, v in batch.items()}
-
-  def naive_mb(state, batches, total, f=fns):
-    acc = f.zero_grads(state.params)
-    for b in batches:
-      g, _ = f.grad_step(state, b, total)
-      acc = f.accumulate(acc, g)
-    return acc
-
-  def dedup_mb(state, slots, batches, total, s=step):
-    return s.mini_batch_grads(state.params, jax.device_put(slots, s.images_sharding), batches,
-                              total)[0]
-
-  def fresh():
-    return jax.tree.map(jnp.copy, state0)
-
-  # -- compile everything on this consumer's first mini-batch (from memory) ------
+  def fns_with(forward):
+    return StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules, forward=forward)
+  fns = fns_with(naive_vlm_forward())
+  steps = {False: None, True: EncodeOnceStep(fns)}
+  layout = BatchLayout(rows=a.micro, seq_len=a.seq, vocab_size=VOCAB,
+                       image_shape=(a.image, a.image, 3))
   store = TrajectoryStore.open(store_url)
   for unit in store.units():
     store.reader(unit)
-  pool = concurrent.futures.ThreadPoolExecutor(1)  # the slot-image reads, beside the reader
-  p0 = store.read([m for mi in plans[0] for m in mi]).result()
-  by_id = {m.id: i for i, m in enumerate(p0.metas)}
 
-  def sub(payload, micro):
-    from knittrans_jax.types import Payload
-    idx = [by_id[m.id] for m in micro]
-    return Payload(list(micro), [payload.tokens[i] for i in idx], [payload.logprobs[i] for i in idx],
-                   [payload.loss_mask[i] for i in idx],
-                   {m.image_ids[0]: payload.images[m.image_ids[0]] for m in micro})
-  naive0 = [put(prepare(0, sub(p0, mi), False)) for mi in plans[0]]
-  dedup0 = [put(prepare(0, sub(p0, mi), True)) for mi in plans[0]]
-  slots0 = slots_from_images(iplans[0], 0, p0.images, shape)
-  st = fresh()
-  jax.block_until_ready(fns.apply_step(st, naive_mb(st, naive0, totals[0]))[0])
-  st = fresh()
-  jax.block_until_ready(fns.apply_step(st, dedup_mb(st, slots0, dedup0, totals[0]))[0])
-  # -- exactness and encoder counts (untimed) ---------------------------------------
-  want = naive_mb(state0, naive0, totals[0], counted_fns)
+  def trainer(data, dedup, f=fns, step=None):
+    return Trainer(f, jax.tree.map(jnp.copy, state0), data, layout, [rank], vision=True,
+                   encode_once=(step or steps[True]) if dedup else None)
+
+  # -- exactness and encoder counts (untimed; compiles the counted variants) -------
+  calls = EncoderCalls()
+  counted = fns_with(naive_vlm_forward(calls))
+  naive = trainer(OnDemand(store), False, counted).step(works[0], apply=False)
+  jax.block_until_ready(naive.grads)
   jax.effects_barrier()
   naive_forwards = calls.forward_images
   calls.reset()
-  got = dedup_mb(state0, slots0, dedup0, totals[0], counted_step)
+  dedup = trainer(OnDemand(store), True, step=EncodeOnceStep(fns, calls=calls)).step(
+      works[0], apply=False)
+  jax.block_until_ready(dedup.grads)
   jax.effects_barrier()
-  dedup_forwards, dedup_real = calls.forward_images, iplans[0].num_unique
   err = 0.0
-  for g, w in zip(jax.tree.leaves(jax.device_get(got)), jax.tree.leaves(jax.device_get(want))):
+  for g, w in zip(jax.tree.leaves(jax.device_get(dedup.grads)),
+                  jax.tree.leaves(jax.device_get(naive.grads))):
     err = max(err, float(np.max(np.abs(g - w)) / max(float(np.max(np.abs(w))), 1e-30)))
   results.put(("check", rank, {"grad_max_rel_err": err, "naive_forwards": naive_forwards,
-                               "dedup_forwards": dedup_forwards, "unique_images": dedup_real}))
+                               "dedup_forwards": calls.forward_images,
+                               "unique_images": len(works[0].images.owned[rank])}))
+  # -- compile the timed steps on a first mini-batch --------------------------------
+  for d in (False, True):
+    warm = trainer(OnDemand(store), d)
+    jax.block_until_ready(warm.step(works[0]).sums)
+    warm.close()
   ready.wait()
   results.put(("ready", rank))
 
   for variant in VARIANTS:
-    go[variant].wait()
-    state = fresh()
-    jax.block_until_ready(state)
-    t0 = time.perf_counter()
+    centralized = variant in ("baseline", "dedup_only")
     dedup = variant in ("dedup_only", "knittrans")
-    exposed = 0.0
-    if variant in ("baseline", "dedup_only"):
-      data = conn.recv_bytes()
-      received = C.deserialize(data)  # [mini-batch][micro-batch] samples, images repeated
-      exposed = time.perf_counter() - t0
-      for k, plan in enumerate(plans):
-        payloads = [C.to_payload(s) for s in received[k]]
-        batches = [put(prepare(k, p, dedup)) for p in payloads]
-        if dedup:
-          images = {}
-          for p in payloads:
-            images.update(p.images)
-          grads = dedup_mb(state, slots_from_images(iplans[k], 0, images, shape), batches, totals[k])
-        else:
-          grads = naive_mb(state, batches, totals[k])
-        state, _ = fns.apply_step(state, grads)
-    else:
-      for k, plan in enumerate(plans):
-        if dedup:
-          pending = pool.submit(read_slot_images, store, iplans[k], 0, shape)
-          reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, True), a.depth,
-                                     put, read_images=False)
-          t1 = time.perf_counter()
-          slots = pending.result()
-          exposed += time.perf_counter() - t1
-          grads = dedup_mb(state, slots, reader, totals[k])
-        else:
-          reader = PrefetchingReader(store, plan, lambda p, k=k: prepare(k, p, False), a.depth, put)
-          grads = naive_mb(state, reader, totals[k])
-        reader.close()
-        exposed += reader.stats.exposed_wait_s
-        state, _ = fns.apply_step(state, grads)
-    jax.block_until_ready(state)
-    results.put((variant, rank, {"total_s": time.perf_counter() - t0, "exposed_s": exposed}))
+    t = trainer(Centralized(PipeFetch(conn)) if centralized else OnDemand(store, a.depth), dedup)
+    jax.block_until_ready(t.state)
+    go[variant].wait()
+    t0 = time.perf_counter()
+    if not centralized:
+      for w in works:  # the stream of every mini-batch, read ahead of compute
+        t.prefetch(w)
+    for w in works:
+      t.step(w)
+    jax.block_until_ready(t.state)
+    results.put((variant, rank, {"total_s": time.perf_counter() - t0,
+                                 "exposed_s": t.exposed_wait_s}))
+    t.close()
 
 
 def run_point(args) -> dict:
   from knittrans_jax.dataplane import centralized as C
-  from knittrans_jax.dataplane import plan_micro_batches
+  from knittrans_jax.job.work import StepPlanner
 
   base = args.dir or tempfile.mkdtemp(prefix="bench_multimodal_")
   root = os.path.join(os.path.abspath(base), "store")
@@ -285,11 +211,10 @@ def run_point(args) -> dict:
   t0 = time.perf_counter()
   store, batches = build_store(root, args)
   print(f"store written in {time.perf_counter() - t0:.1f} s", flush=True)
-  plans = [[] for _ in range(args.consumers)]  # plans[c][k] = micro-batches of mini-batch k
-  for mb in batches:
-    plan = plan_micro_batches(mb, args.consumers, args.micro)
-    for c in range(args.consumers):
-      plans[c].append([list(m) for m in plan.consumers[c]])
+  # Slots per consumer: at least its groups' images (one per group), a fixed shape.
+  planner = StepPlanner(args.consumers, args.consumers * args.micro,
+                        image_slots=(1, -(-args.prompts // args.consumers)))
+  works = [planner(mb) for mb in batches]
   all_metas = [m for mb in batches for grp in mb.groups for m in grp.metas]
   for unit in store.units():
     store.reader(unit)
@@ -297,11 +222,12 @@ def run_point(args) -> dict:
   results, ready = ctx.Queue(), ctx.Event()
   go = {v: ctx.Event() for v in VARIANTS}
   pipes = [ctx.Pipe() for _ in range(args.consumers)]
-  procs = [ctx.Process(target=consumer, args=(c, store.url, plans[c], vars(args), pipes[c][1],
+  procs = [ctx.Process(target=consumer, args=(c, store.url, works, vars(args), pipes[c][1],
                                               results, go, ready))
            for c in range(args.consumers)]
   for p in procs:
     p.start()
+
   def get():
     """The next consumer report; a consumer that died (e.g. out of memory) is named."""
     while True:
@@ -329,10 +255,10 @@ def run_point(args) -> dict:
     if variant in ("baseline", "dedup_only"):
       # The driver: gather the train batch, slice per consumer with the image copied
       # into every trajectory, pickle, send (the consumer waits for all of it).
-      payload = C.gather(store, all_metas)
+      payload, started = C.gather(store, all_metas), time.perf_counter()
       for c in range(args.consumers):
-        slices = [C.consumer_slice(payload, plans[c][k]) for k in range(len(plans[c]))]
-        pipes[c][0].send_bytes(C.serialize(slices))
+        C.send_slices(pipes[c][0], payload, [m for w in works for m in w.local_micro_batches([c])],
+                      started)
       del payload
     res = {}
     while len(res) < args.consumers:

@@ -5,25 +5,30 @@
 
 A real store on disk (file://, 4 producer units) holds a train batch of
 --mini_batches x --prompts groups of n = 8 responses (`vlm`: one 448 x 448 x 3
-float32 image per prompt, stored once). Each mini-batch is split over
---consumers consumer processes (plan_micro_batches); every consumer runs a fixed
-compute per micro-batch: a jitted gradient step of the default decoder on the
-micro-batch's tokens (padded or cut to --seq). Then, in the same run:
+float32 image per prompt, stored once). Prompts are --seq / 4 tokens and responses
+log-normal around --seq / 2, cut to fit --seq. Each mini-batch is planned over
+--consumers consumer processes (job/work.py, as the job plans it) and every
+consumer trains its share with the job's own trainer (job/trainer.py): the GRPO
+loss of the default decoder over its micro-batches, then the AdamW update (the
+cross-consumer all-reduce is left out; it is the same for both). The vlm workload
+moves the images but trains the text decoder: this benchmark is about moving data.
+Then, in the same run:
 
   baseline   a driver (this process) gathers the whole train batch from the units,
              builds each consumer's slice with the image copied into every
-             trajectory, pickles it and sends it through a pipe; the consumer
-             unpickles, then computes.
-  ondemand   each consumer reads only its own micro-batches from the units with
-             the PrefetchingReader (depth --depth), computing while it reads ahead.
+             trajectory, pickles it and sends it through a pipe; the consumer's
+             trainer (data path `Centralized`) unpickles it, then computes.
+  ondemand   each consumer's trainer (data path `OnDemand`) reads only its own
+             micro-batches from the units, the stream of every mini-batch fed at
+             the start, --depth micro-batches ahead of compute.
 
-exposed_s: time a consumer waited for data after compute could start (the go
-signal), summed over its micro-batches; the max over consumers is reported.
-raw_transfer_s: time spent moving data for a consumer (baseline: the transfer
-phase as the consumer sees it, from the go signal until its slice is unpickled,
-plus padding and host-to-device per micro-batch; ondemand: reads + padding +
-host-to-device, summed, whether or not it overlapped compute); max over consumers.
-bytes_moved: baseline = what the driver read + every pickled slice;
+exposed_s: time a consumer's devices waited for data (the trainer's measure: the
+wait for a micro-batch after the compute before it finished), summed over its
+micro-batches; the max over consumers is reported. raw_transfer_s: time spent
+moving data for a consumer (baseline: from the go signal until its slice is
+unpickled, plus padding and host-to-device per micro-batch; ondemand: reads +
+padding + host-to-device, summed, whether or not it overlapped compute); max over
+consumers. bytes_moved: baseline = what the driver read + every pickled slice;
 ondemand = what the consumers read.
 """
 from __future__ import annotations
@@ -43,14 +48,15 @@ N = 8
 VOCAB = 256  # the default decoder's vocabulary
 
 
-def build_store(root, workload, mini_batches, prompts, seed=0):
+def build_store(root, workload, mini_batches, prompts, seq, seed=0):
   from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
   from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
   rng = np.random.default_rng(seed)
   store = TrajectoryStore.create("file://" + root, StoreSchema(
-      sources=("text", "vqa"), max_prompt_len=4096, max_response_len=8192))
+      sources=("text", "vqa"), max_prompt_len=seq, max_response_len=seq))
   writers = [store.writer(f"producer{p}", host=f"host{p % 2}") for p in range(4)]
   batches = []
+  P = seq // 4
   for k in range(mini_batches):
     groups = []
     for g in range(prompts):
@@ -60,110 +66,77 @@ def build_store(root, workload, mini_batches, prompts, seed=0):
       if workload == "vlm":
         img = rng.random((448, 448, 3), dtype=np.float32)
         images, ids = [img], (image_id(img),)
-        P, median = 64, 256
-      else:
-        P, median = 256, 1024
       prompt = rng.integers(0, VOCAB, P, dtype=np.int32)
       trajs = []
       for i in range(N):
-        R = int(np.clip(rng.lognormal(np.log(median), 0.5), 16, 4096))
+        R = int(np.clip(rng.lognormal(np.log(seq / 2), 0.5), 4, seq - P))
         trajs.append(Trajectory(prompt_tokens=prompt,
                                 response_tokens=rng.integers(0, VOCAB, R, dtype=np.int32),
-                                logprobs=-rng.random(R, dtype=np.float32),
+                                logprobs=-rng.uniform(4.5, 6.5, R).astype(np.float32),
                                 loss_mask=np.ones(R, bool), reward=float(rng.random()),
                                 source="vqa" if workload == "vlm" else "text", group_id=gid,
                                 index_in_group=i, versions=(0,), image_ids=ids))
       metas = w.append(trajs, images=images)
-      groups.append(GroupInfo(gid, metas[0].source, sum(m.length for m in metas), 0,
-                              metas=tuple(metas)))
+      groups.append(GroupInfo.from_metas(metas))
     batches.append(MiniBatch(0, k, tuple(groups), 0))
   return store, batches
 
 
-def consumer(rank, store_url, plan, seq, depth, conn, results, go, ready):
+def consumer(rank, store_url, works, seq, depth, conn, results, go, ready):
   os.environ["XLA_FLAGS"] = ""
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp
-  from flax import nnx
 
-  from knittrans_jax.dataplane import PrefetchingReader
-  from knittrans_jax.dataplane import centralized as C
+  from knittrans_jax.dataplane.centralized import PipeFetch
+  from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
   from knittrans_jax.models import DecoderConfig, DecoderLM
-  from knittrans_jax.rl.losses import nll_loss_sum
+  from knittrans_jax.rl import LossConfig
   from knittrans_jax.storage import TrajectoryStore
+  from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
+                                   make_mesh, make_optimizer)
 
-  with nnx.use_eager_sharding(False):
-    model = DecoderLM(DecoderConfig(), nnx.Rngs(rank))
-  graphdef, params = nnx.split(model, nnx.Param)
-
-  @jax.jit
-  def step(params, tokens, mask):
-    def loss(p):
-      logits = nnx.merge(graphdef, p)(tokens, mask)
-      return nll_loss_sum(logits, {"tokens": tokens, "loss_mask": mask})[0]
-    return jax.grad(loss)(params)
-
-  rows = len(plan[0])
-
-  def prepare(payload):
-    tokens = np.zeros((rows, seq), np.int32)
-    mask = np.zeros((rows, seq), np.float32)
-    for i, t in enumerate(payload.tokens):
-      L = min(t.size, seq)
-      tokens[i, :L], mask[i, :L] = t[:L], 1
-    return tokens, mask, sum(img.size for img in payload.images.values())
-
-  def put(batch):
-    tokens, mask, _ = batch
-    return jax.device_put(tokens), jax.device_put(mask)
-
-  def compute(batch):
-    jax.block_until_ready(step(params, batch[0], batch[1]))
-
-  compute(put(prepare(_empty(rows, seq))))  # compile before anything is timed
+  mesh_cfg = MeshConfig()
+  mesh = make_mesh(mesh_cfg)
+  tx = make_optimizer(OptimizerConfig(learning_rate=1e-4))
+  graphdef, state0, sh = init_train_state(lambda r: DecoderLM(DecoderConfig(), r), tx, mesh,
+                                          mesh_cfg.rules, rank)
+  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules)
+  rows = len(works[0].consumers[rank][0])
+  layout = BatchLayout(rows=rows, seq_len=seq, vocab_size=DecoderConfig().vocab_size)
   store = TrajectoryStore.open(store_url)
   for unit in store.units():  # a long-running consumer has its units open already
     store.reader(unit)
+
+  def trainer(data):
+    return Trainer(fns, jax.tree.map(jnp.copy, state0), data, layout, [rank])
+
+  warm = trainer(OnDemand(store, depth))  # compiles everything before anything is timed
+  jax.block_until_ready(warm.step(works[0]).sums)
+  warm.close()
   ready.wait()
   results.put(("ready", rank))
   for mode in ("baseline", "ondemand"):
+    pipe = PipeFetch(conn)
+    t = trainer(Centralized(pipe) if mode == "baseline" else OnDemand(store, depth))
     go[mode].wait()
     t0 = time.perf_counter()
-    if mode == "baseline":
-      data = conn.recv_bytes()
-      t_recv = time.perf_counter()
-      micro = [C.to_payload(samples) for samples in C.deserialize(data)]
-      t_ready = time.perf_counter()
-      driver_s = conn.recv()  # when the driver had this slice ready to send
-      h2d = 0.0
-      for payload in micro:
-        t1 = time.perf_counter()
-        batch = put(prepare(payload))
-        h2d += time.perf_counter() - t1
-        compute(batch)
-      # Nothing overlaps compute here: the whole transfer phase (gather, slicing,
-      # pickling, the pipe, unpickling) and each padding + host-to-device is both
-      # raw transfer time and exposed wait.
-      results.put((mode, rank, {"exposed_s": t_ready - t0 + h2d, "raw_transfer_s": t_ready - t0 + h2d,
-                                "driver_s": driver_s, "recv_s": t_recv - t0,
-                                "unpickle_s": t_ready - t_recv, "bytes": len(data),
-                                "total_s": time.perf_counter() - t0}))
+    if mode == "ondemand":
+      for w in works:  # the whole stream fed at once: reads run ahead of compute
+        t.prefetch(w)
+    for w in works:
+      t.step(w)
+    jax.block_until_ready(t.state)
+    total = time.perf_counter() - t0
+    stats = t.reader.stats
+    out = {"exposed_s": stats.exposed_wait_s, "raw_transfer_s": stats.raw_transfer_s,
+           "total_s": total, "first_wait_s": stats.waits[0]}
+    if mode == "baseline":  # nothing overlaps compute: the transfer phase is all exposed
+      out.update(pipe.stats)
     else:
-      with PrefetchingReader(store, plan, prepare, depth, put) as reader:
-        for batch in reader:
-          compute(batch)
-      results.put((mode, rank, {"exposed_s": reader.stats.exposed_wait_s,
-                                "first_wait_s": reader.stats.waits[0],
-                                "raw_transfer_s": reader.stats.raw_transfer_s,
-                                "bytes": reader.stats.bytes_read,
-                                "total_s": time.perf_counter() - t0}))
-
-
-def _empty(rows, seq):
-  from knittrans_jax.types import Payload
-  return Payload(metas=[], tokens=[np.zeros(seq, np.int32)] * rows, logprobs=[],
-                 loss_mask=[], images={})
+      out["bytes"] = stats.bytes_read
+    t.close()
+    results.put((mode, rank, out))
 
 
 def main():
@@ -174,25 +147,25 @@ def main():
   parser.add_argument("--prompts", type=int, default=32, help="prompts (groups) per mini-batch")
   parser.add_argument("--mini_batches", type=int, default=2)
   parser.add_argument("--micro", type=int, default=16, help="trajectories per micro-batch")
-  parser.add_argument("--seq", type=int, default=256, help="tokens per row of the compute step")
+  parser.add_argument("--seq", type=int, default=256,
+                      help="tokens per row (prompt + response) of the trainer's step")
   parser.add_argument("--depth", type=int, default=2)
   parser.add_argument("--dir", default=None)
   args = parser.parse_args()
 
   from knittrans_jax.dataplane import centralized as C
-  from knittrans_jax.dataplane import plan_micro_batches
+  from knittrans_jax.job.work import StepPlanner
 
   base = args.dir or tempfile.mkdtemp(prefix="bench_transfer_")
   root = os.path.join(os.path.abspath(base), "store")
   shutil.rmtree(root, ignore_errors=True)
   t0 = time.perf_counter()
-  store, batches = build_store(root, args.workload, args.mini_batches, args.prompts)
+  store, batches = build_store(root, args.workload, args.mini_batches, args.prompts, args.seq)
   print(f"store written in {time.perf_counter() - t0:.1f} s")
-  plans = [[] for _ in range(args.consumers)]
-  for mb in batches:
-    plan = plan_micro_batches(mb, args.consumers, args.micro)
-    for c in range(args.consumers):
-      plans[c] += [list(m) for m in plan.consumers[c]]
+  planner = StepPlanner(args.consumers, args.consumers * args.micro)
+  works = [planner(mb) for mb in batches]
+  plans = [[list(m) for w in works for m in w.local_micro_batches([c])]
+           for c in range(args.consumers)]
   all_metas = [m for mb in batches for grp in mb.groups for m in grp.metas]
 
   for unit in store.units():  # so does the driver (both sides alike)
@@ -201,7 +174,7 @@ def main():
   results, ready = ctx.Queue(), ctx.Event()
   go = {m: ctx.Event() for m in ("baseline", "ondemand")}
   pipes = [ctx.Pipe() for _ in range(args.consumers)]
-  procs = [ctx.Process(target=consumer, args=(c, store.url, plans[c], args.seq, args.depth,
+  procs = [ctx.Process(target=consumer, args=(c, store.url, works, args.seq, args.depth,
                                               pipes[c][1], results, go, ready))
            for c in range(args.consumers)]
   for p in procs:
@@ -221,12 +194,7 @@ def main():
   driver_read = payload.nbytes
   sent = 0
   for c in range(args.consumers):
-    data = C.serialize(C.consumer_slice(payload, plans[c]))
-    elapsed = time.perf_counter() - t_start
-    pipes[c][0].send_bytes(data)
-    pipes[c][0].send(elapsed)
-    sent += len(data)
-    del data
+    sent += C.send_slices(pipes[c][0], payload, plans[c], t_start)
   del payload
   base_res = {}
   while len(base_res) < args.consumers:

@@ -51,12 +51,12 @@ def main():
             f"{b['grad_norm']:>18.8f}")
       ok &= a["ids"] == b["ids"]
       ok &= bool(np.isclose(b["loss"], a["loss"], rtol=args.rtol, atol=args.atol))
-    state = run_state(run, job.state)
+    state = run_state(run, job.trainer.state)
     diff = max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
-               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.state.params)))
+               for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.trainer.state.params)))
     ok &= all(np.allclose(np.asarray(a), np.asarray(b), rtol=args.rtol, atol=args.atol)
-              for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.state.params)))
-    ok &= int(state.version) == int(job.state.version)
+              for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.trainer.state.params)))
+    ok &= int(state.version) == int(job.trainer.state.version)
   print(f"steps {len(logged)}, consumers {consumers}; largest parameter difference {diff:.3g}: "
         f"{'equal' if ok else 'DIFFERENT'} (rtol {args.rtol}, atol {args.atol})")
   sys.exit(0 if ok else 1)

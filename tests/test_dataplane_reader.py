@@ -114,6 +114,28 @@ def test_quarantining_read_skips_only_the_damaged_rows(store, tmp_path):
     assert set(images) == {i for m in mb if m.id not in hit for i in m.image_ids}
 
 
+def test_a_stream_reads_segments_in_order_and_a_failed_first_job_stops_it(store):
+  """One reader fed several mini-batches (segments), each with an optional first job
+  (the encode-once image slots): items come in feed order; a first job that fails
+  surfaces as DataReadError at its turn and the thread stops."""
+  plan = plan_of(store)
+  reader = PrefetchingReader(store, depth=2)
+  reader.feed(plan[:2], flat, first=lambda read: "slots-0")
+  reader.feed(plan[2:3], flat)
+  assert reader.take() == "slots-0"
+  got = [reader.take()[0] for _ in range(3)]
+  assert got == [[m.id for m in mb] for mb in plan[:3]]
+
+  def broken(read):
+    raise OSError("image chunk unreadable")
+  reader.feed(plan[3:4], flat, first=broken)
+  with pytest.raises(DataReadError, match="image slots failed: image chunk unreadable"):
+    reader.take()
+  assert not reader._thread.is_alive()
+  with pytest.raises(DataReadError, match="stopped after an earlier error"):
+    reader.take()
+
+
 def test_close_midway_stops_the_thread(store):
   plan = plan_of(store, micro=2)
   reader = PrefetchingReader(store, plan, lambda p: p, depth=1)

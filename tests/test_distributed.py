@@ -63,9 +63,9 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
   for a, b in zip(records, job.log.records):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
-  state = run_state(str(run), job.state)
-  assert int(state.version) == int(job.state.version) == 4
-  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.state.params)):
+  state = run_state(str(run), job.trainer.state)
+  assert int(state.version) == int(job.trainer.state.version) == 4
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.trainer.state.params)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
   # Non-zero gradients: the parameters moved, so equality is not the trivial one.
   assert max(r["grad_norm"] for r in records) > 1e-2

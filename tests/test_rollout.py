@@ -41,6 +41,32 @@ def test_top_p_keeps_only_the_nucleus():
   assert len({int(r[0]) for r, _ in greedy}) == 1  # only the top token survives
 
 
+def test_top_p_behaviour_logprobs_are_the_nucleus_distribution():
+  """With top_p < 1 the recorded log-prob is that of the renormalised nucleus the
+  token was drawn from: log p(token) - log(nucleus mass), at every position."""
+  with nnx.use_eager_sharding(False):
+    model = DecoderLM(CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(2, 64, 5).astype(np.int32) for _ in range(8)]
+  top_p = 0.6
+  out = generate(graphdef, params, prompts, jax.random.key(3),
+                 SamplerConfig(max_new_tokens=6, top_p=top_p, stop_tokens=(1,)))
+  folded = 0
+  for p, (resp, lp) in zip(prompts, out):
+    seq = np.concatenate([p, resp])
+    logits = np.asarray(model(jnp.asarray(seq[None]), jnp.ones((1, seq.size), bool)))[0]
+    for t, tok in enumerate(resp):
+      probs = np.asarray(jax.nn.softmax(logits[p.size - 1 + t].astype(np.float64)))
+      order = np.sort(probs)[::-1]
+      # The nucleus: the smallest prefix whose mass reaches top_p (the sampler's rule).
+      keep = order[:int(np.sum(np.cumsum(order) < top_p)) + 1]
+      assert probs[tok] >= keep[-1] - 1e-6, "a token outside the nucleus was sampled"
+      np.testing.assert_allclose(lp[t], np.log(probs[tok]) - np.log(keep.sum()), atol=2e-4)
+      folded += keep.sum() < 0.999
+  assert folded > 0  # the truncation mattered somewhere, so the test can tell
+
+
 def test_task_scores():
   t = tasks.Task("nearest", np.array([2, 3, 21, 6]), {"d": 5})
   assert tasks.score(t, np.array([tasks.digit(5), tasks.EOS])) == 1.0

@@ -8,11 +8,16 @@ pipe). The consumer deserialises it, and only then can compute start.
 """
 from __future__ import annotations
 
+import collections
+import multiprocessing as mp
 import pickle
-from typing import Sequence
+import threading
+import time
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from knittrans_jax.dataplane.reader import ReaderStats
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.types import Payload, TrajMeta
 
@@ -57,3 +62,118 @@ def to_payload(samples: list[dict]) -> Payload:
   return Payload(metas=[s["meta"] for s in samples], tokens=[s["tokens"] for s in samples],
                  logprobs=[s["logprobs"] for s in samples],
                  loss_mask=[s["loss_mask"] for s in samples], images=images)
+
+
+def local_driver(store: TrajectoryStore) -> Callable[[Sequence[Sequence[TrajMeta]]], list[Payload]]:
+  """The baseline in one process: a driver gathers this consumer's micro-batches,
+  pickles its slice (images copied per trajectory) and passes it through an OS pipe
+  from a driver thread; the consumer unpickles. (scripts/bench_transfer.py runs the
+  driver in its own process and serves every consumer.)"""
+  def fetch(plan):
+    recv_end, send_end = mp.Pipe(duplex=False)
+    data = serialize(consumer_slice(gather(store, [m for mb in plan for m in mb]), plan))
+    sender = threading.Thread(target=send_end.send_bytes, args=(data,))
+    sender.start()
+    received = deserialize(recv_end.recv_bytes())
+    sender.join()
+    return [to_payload(s) for s in received]
+  return fetch
+
+
+def payload_read(payloads: Sequence[Payload]) -> Callable[[Sequence[TrajMeta], Any], Payload]:
+  """A read function (like a store's) over payloads already received."""
+  rows = {m.id: (p, i) for p in payloads for i, m in enumerate(p.metas)}
+  images = {iid: img for p in payloads for iid, img in p.images.items()}
+
+  def read(metas, skip_images=()):
+    got = [rows[m.id] for m in metas]
+    return Payload(metas=list(metas), tokens=[p.tokens[i] for p, i in got],
+                   logprobs=[p.logprobs[i] for p, i in got],
+                   loss_mask=[p.loss_mask[i] for p, i in got],
+                   images={iid: images[iid] for m in metas for iid in m.image_ids
+                           if iid not in skip_images})
+  return read
+
+
+class CentralizedReader:
+  """The baseline behind the streaming reader's interface (dataplane/reader.py):
+  a segment's whole payload is fetched when its first item is taken, then each
+  micro-batch is prepared and put on the devices when taken. Nothing overlaps
+  compute, so all of it is exposed wait."""
+
+  def __init__(self, fetch: Callable[[Sequence[Sequence[TrajMeta]]], list[Payload]],
+               put: Callable[[Any], Any] | None = None):
+    self.fetch, self.put = fetch, put
+    self.stats = ReaderStats()
+    self._segments: collections.deque = collections.deque()
+    self._items: collections.deque = collections.deque()  # thunks of the current segment
+
+  def feed(self, plan, prepare, read_images: bool | None = None, first=None) -> None:
+    self._segments.append(([list(m) for m in plan], prepare, first))
+
+  def ready(self) -> bool:
+    return False  # nothing is read ahead
+
+  def take(self):
+    t0 = time.perf_counter()
+    if not self._items:
+      if not self._segments:
+        raise RuntimeError("take(): nothing fed; feed() first")
+      plan, prepare, first = self._segments.popleft()
+      payloads = self.fetch(plan)
+      self.stats.bytes_read += sum(p.nbytes for p in payloads)
+      if first is not None:
+        read = payload_read(payloads)
+        self._items.append(lambda: first(read))
+      for p in payloads:
+        self.stats.rows_read.update(m.id for m in p.metas)
+        self._items.append(lambda p=p, prepare=prepare: self._prepare(prepare, p))
+    item = self._items.popleft()()
+    waited = time.perf_counter() - t0
+    self.stats.exposed_wait_s += waited
+    self.stats.raw_transfer_s += waited
+    self.stats.waits.append(waited)
+    self.stats.micro_batches += 1
+    return item
+
+  def _prepare(self, prepare, payload):
+    batch = prepare(payload)
+    return self.put(batch) if self.put is not None else batch
+
+  def close(self) -> None:
+    self._segments.clear()
+    self._items.clear()
+
+
+class PipeFetch:
+  """A consumer's end of a driver in another process (the benchmarks' baseline): the
+  first fetch receives this consumer's slice of the whole train batch, every
+  mini-batch, as the driver sent it; later fetches take from it in order. `stats`:
+  seconds receiving and unpickling, bytes, and the driver's own time (sent after
+  the slice)."""
+
+  def __init__(self, conn):
+    self.conn, self.micros, self.stats = conn, None, {}
+
+  def __call__(self, plan):
+    if self.micros is None:
+      t0 = time.perf_counter()
+      data = self.conn.recv_bytes()
+      t1 = time.perf_counter()
+      self.micros = collections.deque(to_payload(s) for s in deserialize(data))
+      self.stats = {"recv_s": t1 - t0, "unpickle_s": time.perf_counter() - t1,
+                    "bytes": len(data), "driver_s": self.conn.recv()}
+    out = [self.micros.popleft() for _ in plan]
+    if [m.id for p in out for m in p.metas] != [m.id for mb in plan for m in mb]:
+      raise RuntimeError("the driver's slice is not in this consumer's plan order")
+    return out
+
+
+def send_slices(conn, payload: Payload, plan, started: float) -> int:
+  """The driver's side: one consumer's slice (images copied per trajectory),
+  pickled and sent, then the seconds since `started`; returns the bytes sent."""
+  data = serialize(consumer_slice(payload, plan))
+  elapsed = time.perf_counter() - started
+  conn.send_bytes(data)
+  conn.send(elapsed)
+  return len(data)

@@ -26,6 +26,9 @@ class JobConfig:
     default one per trainer process. Each process trains its consumers' rows; one
     process given C > 1 trains all C's rows (the single-process reference of a
     C-process run).
+  stall_timeout_s: a run in which no mini-batch is admitted and no usable group
+    finishes for this long stops with an error naming the short sources and what is
+    in flight (a hung worker, a source whose groups are all dropped, ...).
   """
   spec: TrainBatchSpec = None
   mode: str = "disaggregated"
@@ -43,6 +46,7 @@ class JobConfig:
   encode_once: bool = True
   consumers: int | None = None
   control_address: str | None = None
+  stall_timeout_s: float = 600.0
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -61,6 +65,15 @@ class JobConfig:
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")
+    if self.stall_timeout_s <= 0:
+      raise ValueError(f"JobConfig.stall_timeout_s = {self.stall_timeout_s} must be > 0")
+    if self.mode == "disaggregated":
+      need, why = spec.mini_batch_groups, "one mini-batch's g"
+      if self.policy == "train_batch":
+        need, why = spec.groups_per_batch, "train-batch admission's G"
+      if self.groups_in_flight < need:
+        raise ValueError(f"JobConfig.window = {self.groups_in_flight} groups in flight cannot "
+                         f"hold {why} = {need} groups: nothing could ever be admitted")
     if self.mode == "disaggregated" and (self.workers < 0 or (
         self.workers == 0 and not self.control_address)):
       raise ValueError(f"JobConfig.workers = {self.workers}: at least one local worker, unless "

@@ -91,3 +91,19 @@ class PlanChannel:
 def barrier(name: str, timeout_s: int = 600) -> None:
   if jax.process_count() > 1:
     _client().wait_at_barrier(name, timeout_s * 1000)
+
+
+def all_done(name: str) -> None:
+  """Processes > 0 announce that they finished `name`; process 0 returns once every
+  one has (e.g. each wrote its part of a weights version)."""
+  count = jax.process_count()
+  if count == 1:
+    return
+  client, p = _client(), jax.process_index()
+  if p:
+    client.key_value_set(f"knittrans/done/{name}/{p}", "1")
+    return
+  for q in range(1, count):
+    key = f"knittrans/done/{name}/{q}"
+    client.blocking_key_value_get(key, _WAIT_MS)
+    client.key_value_delete(key)

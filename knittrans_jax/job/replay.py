@@ -2,15 +2,15 @@
 
 The reference for the multi-process trainer: the same trajectories (read from the
 run's store), the same mini-batches in the same order, the same plan over the
-same number of consumers, but one process holding every consumer's rows. Loss
-and parameters should then match the run's up to floating-point reduction order.
+same number of consumers, but one process holding every consumer's rows, through
+the same trainer entry point (job/trainer.py). Loss and parameters should then
+match the run's up to floating-point reduction order.
 """
 from __future__ import annotations
 
 import json
 import os
 
-import gin
 import jax
 
 from knittrans_jax.job.run import Job
@@ -52,15 +52,17 @@ def run_state(run_dir: str, like):
 def replay(run_dir: str, workdir: str, consumers: int) -> Job:
   """Builds a Job in `workdir` (the gin config already parsed, as for the run) that
   reads `run_dir`'s store, trains its logged mini-batches planned over `consumers`,
-  and returns it (job.state, job.log.records)."""
+  and returns it (job.trainer.state, job.log.records)."""
   run_dir = os.path.abspath(run_dir)
-  with gin.unlock_config():
-    gin.bind_parameter("JobConfig.store_url", "file://" + os.path.join(run_dir, "store"))
-    gin.bind_parameter("JobConfig.consumers", consumers)
-  job = Job(workdir)
+  job = Job(workdir, store_url="file://" + os.path.join(run_dir, "store"), consumers=consumers)
   try:
     for mb in logged_mini_batches(run_dir, job.store):
-      job.train(mb)
+      work = job.planner(mb)
+      v_consume = job.trainer.version
+      sums, grad_norm = job.trainer.step(work).fetch()
+      job.log.step(mb, [m for grp in mb.groups for m in grp.metas], v_consume, sums, grad_norm,
+                   admitted_tokens=work.total_tokens)
   finally:
-    job._do_finish()
+    job.trainer.finish(job.workdir)
+    job.log.close()
   return job

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 
 import gin
-import jax
 import jax.numpy as jnp
 from flax import nnx
 

@@ -2,9 +2,15 @@
 
 Prompts are left-padded to a common length P so that every row's next token goes
 to the same cache slot; RoPE positions count real tokens only, so padding does not
-shift them. Returns the sampled tokens, the behaviour log-probs (log-softmax of
-logits / temperature at each sampled token; top-p truncation is not folded in),
-and the response lengths (up to and including the first stop token).
+shift them. Returns the sampled tokens, the behaviour log-probs and the response
+lengths (up to and including the first stop token).
+
+Behaviour log-probs are those of the distribution actually sampled: log-softmax of
+logits / temperature, restricted to the top-p nucleus and renormalised when
+top_p < 1. The trainer's policy is the untruncated one at the same temperature
+(rl/losses.py; the job checks the two temperatures agree), so the importance ratio
+pi/mu then also corrects for the truncation: on-policy it equals the nucleus's
+probability mass at each token (<= 1), not 1.
 """
 from __future__ import annotations
 
@@ -65,7 +71,7 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     scaled = logits / config.temperature
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
     token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
-    logp = jnp.take_along_axis(jax.nn.log_softmax(scaled, axis=-1), token[:, None], axis=-1)[:, 0]
+    logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
     live = ~done
     token = jnp.where(live, token, 0)
     logp = jnp.where(live, logp, 0.0)

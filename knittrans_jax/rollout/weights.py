@@ -1,38 +1,75 @@
-"""Weight sync through the work dir: the trainer publishes, workers pick up the newest.
+"""Weight sync through the work dir: the trainers publish, workers pick up the newest.
 
-A version is written as `weights/v{version:08d}.npz` (flattened parameter leaves)
-to a temporary name and renamed, then `weights/LATEST` is replaced the same way, so
-a reader never sees a partial file. Old versions beyond `keep` are removed.
+Version v lives in `weights/v{v:08d}/`: each trainer process writes `part{p}.npz`
+with the parameter shards its devices hold (replica 0 of each shard only, so every
+element is written once across processes, and nothing is gathered or replicated on
+the devices to publish). When every part is in place, process 0 replaces
+`weights/LATEST`; each file is written under a temporary name and renamed, so a
+reader never sees a partial one. A subscriber assembles the full arrays on its
+host from the parts. Versions beyond `keep` are removed.
 """
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import jax
 import numpy as np
 
 
+def _version_dir(root: str, version: int) -> str:
+  return os.path.join(root, f"v{version:08d}")
+
+
 class WeightPublisher:
 
-  def __init__(self, workdir: str, keep: int = 3):
+  def __init__(self, workdir: str, keep: int = 3, process: int = 0):
     self.dir = os.path.join(workdir, "weights")
     os.makedirs(self.dir, exist_ok=True)
-    self.keep = keep
+    self.keep, self.process = keep, process
 
-  def publish(self, version: int, params) -> str:
-    leaves = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(params))]
-    path = os.path.join(self.dir, f"v{version:08d}.npz")
+  def write_part(self, version: int, params) -> str:
+    """This process's shards of `params` (device arrays) at `version`."""
+    index, arrays = [], {}
+    for leaf_id, leaf in enumerate(jax.tree.leaves(params)):
+      shape = np.shape(leaf)
+      shards = ([s for s in leaf.addressable_shards if s.replica_id == 0]
+                if isinstance(leaf, jax.Array) else None)
+      if shards is None:  # a host array: all of it
+        pieces = [(tuple((0, d) for d in shape), np.asarray(leaf))]
+      else:
+        pieces = [(tuple((sl.start or 0, d if sl.stop is None else sl.stop)
+                         for sl, d in zip(s.index, shape)), np.asarray(s.data)) for s in shards]
+      for box, data in pieces:
+        arrays[f"a{len(index)}"] = data
+        index.append([leaf_id, [list(b) for b in box]])
+    folder = _version_dir(self.dir, version)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"part{self.process}.npz")
     tmp = path + ".tmp.npz"
-    np.savez(tmp, *leaves)
+    np.savez(tmp, index=np.array(json.dumps(index)), **arrays)
     os.replace(tmp, path)
-    latest_tmp = os.path.join(self.dir, "LATEST.tmp")
-    with open(latest_tmp, "w") as f:
-      f.write(str(version))
-    os.replace(latest_tmp, os.path.join(self.dir, "LATEST"))
-    old = sorted(p for p in os.listdir(self.dir) if p.startswith("v") and p.endswith(".npz"))
-    for name in old[:-self.keep]:
-      os.remove(os.path.join(self.dir, name))
     return path
+
+  def commit(self, version: int, parts: int = 1) -> None:
+    """(process 0) Every part of `version` is written: make it the latest."""
+    folder = _version_dir(self.dir, version)
+    missing = [p for p in range(parts) if not os.path.exists(os.path.join(folder, f"part{p}.npz"))]
+    if missing:
+      raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are missing in {folder}")
+    tmp = os.path.join(self.dir, "LATEST.tmp")
+    with open(tmp, "w") as f:
+      f.write(str(version))
+    os.replace(tmp, os.path.join(self.dir, "LATEST"))
+    old = sorted(d for d in os.listdir(self.dir) if d.startswith("v") and d[1:].isdigit())
+    for name in old[:-self.keep]:
+      shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+  def publish(self, version: int, params) -> None:
+    """One process holding every shard: write and commit."""
+    self.write_part(version, params)
+    self.commit(version, parts=1)
 
 
 class WeightSubscriber:
@@ -41,6 +78,7 @@ class WeightSubscriber:
   def __init__(self, workdir: str, template):
     self.dir = os.path.join(workdir, "weights")
     self.treedef = jax.tree.structure(template)
+    self.specs = [(np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(template)]
     self.version = -1
 
   def latest_version(self) -> int:
@@ -55,10 +93,23 @@ class WeightSubscriber:
     v = self.latest_version()
     if v <= self.version:
       return None
+    folder = _version_dir(self.dir, v)
+    leaves = [np.empty(shape, dtype) for shape, dtype in self.specs]
+    filled = [0] * len(leaves)
     try:
-      with np.load(os.path.join(self.dir, f"v{v:08d}.npz")) as data:
-        leaves = [data[f"arr_{i}"] for i in range(len(data.files))]
+      for name in sorted(os.listdir(folder)):
+        if not (name.startswith("part") and name.endswith(".npz")) or ".tmp" in name:
+          continue
+        with np.load(os.path.join(folder, name)) as data:
+          for k, (leaf_id, box) in enumerate(json.loads(str(data["index"]))):
+            piece = data[f"a{k}"]
+            leaves[leaf_id][tuple(slice(a, b) for a, b in box)] = piece
+            filled[leaf_id] += piece.size
     except FileNotFoundError:  # already pruned: a newer one is coming
       return None
+    short = [k for k, leaf in enumerate(leaves) if filled[k] != leaf.size]
+    if short:
+      raise RuntimeError(f"weights v{v}: leaves {short[:5]} are not fully covered by the "
+                         f"parts in {folder}")
     self.version = v
     return v, jax.tree.unflatten(self.treedef, leaves)

@@ -46,5 +46,13 @@ class PromptStream:
 
   def next(self) -> str:
     if not self._queue:
-      self._queue = list(self._rng.permutation(self._block))[::-1]
-    return str(self._queue.pop())
+      self._queue = [str(s) for s in self._rng.permutation(self._block)][::-1]
+    return self._queue.pop()
+
+  def state(self) -> dict:
+    """JSON-able: the rest of the current block and the generator's state."""
+    return {"queue": list(self._queue), "rng": self._rng.bit_generator.state}
+
+  def restore(self, state: dict) -> None:
+    self._queue = list(state["queue"])
+    self._rng.bit_generator.state = state["rng"]

@@ -11,7 +11,6 @@ from typing import Callable, Collection, Sequence
 import numpy as np
 import tensorstore as ts
 
-from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError
 from knittrans_jax.storage.images import image_id
 from knittrans_jax.storage.unit_reader import UnitReader

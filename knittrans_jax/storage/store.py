@@ -11,7 +11,6 @@ so units can be listed without listing their chunk keys.
 """
 from __future__ import annotations
 
-import json
 from typing import Sequence
 
 import tensorstore as ts

@@ -35,14 +35,19 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "progress"))
 
-  def save(self, state: TrainState, progress: dict, force: bool = False) -> bool:
-    """Saves at the state's version if it is due (or `force`); returns whether it did."""
-    step = int(jax.device_get(state.version))
+  def save(self, state: TrainState, progress: dict, force: bool = False,
+           step: int | None = None) -> bool:
+    """Saves at `step` (default: the state's version, read from the device) if it is
+    due (or `force`); returns whether it did."""
+    step = int(jax.device_get(state.version)) if step is None else step
     if step == self._manager.latest_step():
       return False  # already saved at this version (e.g. a periodic save, then the final one)
     return self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state._asdict()), progress=ocp.args.JsonSave(progress)),
         force=force)
+
+  def should_save(self, step: int) -> bool:
+    return self._manager.should_save(step)
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()

@@ -1,15 +1,17 @@
 """Sharded, jitted step functions: per-micro-batch gradients, accumulation, update.
 
     fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, rules)
-    acc = fns.zero_grads(state.params)
+    acc, sums = fns.zero_grads(state.params), fns.zero_sums(batch_like)
     for micro in micro_batches:                # arrive one at a time from the data path
-      grads, sums = fns.grad_step(state, micro, total_tokens)
-      acc = fns.accumulate(acc, grads)
+      acc, sums = fns.micro_step(state, acc, sums, micro, total_tokens)
     state, metrics = fns.apply_step(state, acc)
 
 `total_tokens` is the number of loss tokens in the whole mini-batch, over every
 micro-batch and consumer, so the accumulated gradient is that of a true global
-token mean. `scan_step` does the same over a stacked mini-batch with lax.scan.
+token mean. Gradient and metric sums stay on the devices (both donated to the next
+micro-batch): nothing comes back to the host inside a mini-batch. `grad_step` +
+`accumulate` are the same in two calls; `scan_step` does it over a stacked
+mini-batch with lax.scan.
 """
 from __future__ import annotations
 
@@ -52,6 +54,8 @@ class StepFunctions:
     self.zero_grads = jax.jit(  # fp32 accumulator shaped and sharded like the params
         lambda params: jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params),
         in_shardings=(self._grad_sh,), out_shardings=self._grad_sh)
+    self.add_sums = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), out_shardings=repl,
+                            donate_argnums=0)
 
   # -- pieces ---------------------------------------------------------------
   def objective_sum(self, logits, batch):
@@ -99,6 +103,31 @@ class StepFunctions:
           in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, batch), repl),
           out_shardings=(self._grad_sh, repl))
     return self._jitted[key](state, batch, jnp.float32(total_tokens))
+
+  def zero_sums(self, state: TrainState, batch: dict):
+    """Device zeros shaped like one micro-batch's metric sums."""
+    key = ("sums", tuple(sorted((k, v.shape) for k, v in batch.items())))
+    if key not in self._jitted:
+      self._jitted[key] = jax.eval_shape(
+          lambda st, b: self._micro(st.params, b, jnp.float32(1))[1], state, batch)
+    repl = replicated(self.mesh)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=repl), self._jitted[key])
+
+  def micro_step(self, state: TrainState, acc, sums, batch: dict, total_tokens):
+    """Adds one micro-batch's gradients into `acc` and its metric sums into `sums`
+    (both donated, both stay on the devices)."""
+    key = ("micro", tuple(sorted((k, v.shape) for k, v in batch.items())))
+    if key not in self._jitted:
+      repl = replicated(self.mesh)
+
+      def micro(st, acc, sums, b, n):
+        grads, s = self._micro(st.params, b, n)
+        return jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.add, sums, s)
+      self._jitted[key] = jax.jit(
+          micro, in_shardings=(self.shardings, self._grad_sh, repl,
+                               batch_shardings(self.mesh, self.rules, batch), repl),
+          out_shardings=(self._grad_sh, repl), donate_argnums=(1, 2))
+    return self._jitted[key](state, acc, sums, batch, total_tokens)
 
   def scan_step(self, state: TrainState, stacked: dict, total_tokens):
     """One optimizer step over a stacked mini-batch [K, B, ...] (lax.scan)."""

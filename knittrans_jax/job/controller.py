@@ -1,0 +1,197 @@
+"""The controller role: dispatch, admission and progress, over metadata only.
+
+    controller = Controller(spec, policy, stream, pool, ControllerState(), window=W)
+    controller.resume(store)                    # a restored run: feed what was not trained
+    while ...:
+      controller.dispatch()                     # fill the window (replacements first)
+      controller.poll(timeout)                  # rollout reports -> admission
+      mb = controller.admit(version)            # a mini-batch, or None
+      ...                                       # the trainer steps on it
+      controller.trained(mb)                    # retire its groups; position moves on
+      controller.check_stall()                  # raises JobStalled after a long idle
+
+Every group goes through `ControllerState` (progress.py): dispatched into the
+window, then retired exactly once as trained, dropped (zero signal or stale) or
+failed; a dropped or failed group is replaced by one of its source, first in
+line. The window is derived from those ids, so resume, drops, stale groups and
+colocated mode all keep it right by construction.
+
+The rollout side is a `pool` (job/workers.py): local worker processes and remote
+workers, or the colocated generator. It takes (group id, source) requests and its
+`poll` returns `Finished(metas)` and `Failed(group_id)` events. Colocated mode
+dispatches a whole train batch only once the previous one is trained (plus
+replacements at any time), so every group of train batch k is generated with the
+weights of version k*M, as synchronous execution does.
+
+Pure Python; no JAX.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+from typing import Callable, Protocol, Sequence
+
+from knittrans_jax.admission import AdmissionPolicy, TrainBatchSpec
+from knittrans_jax.job.progress import ControllerState
+from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
+
+
+class JobStalled(RuntimeError):
+  """Nothing was admitted and no usable group finished for too long."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Finished:
+  metas: tuple[TrajMeta, ...]  # one committed group, every trajectory
+
+
+@dataclasses.dataclass(frozen=True)
+class Failed:
+  group_id: int
+  why: str
+
+
+class RolloutPool(Protocol):
+  def can_take(self) -> bool: ...
+  def submit(self, group_id: int, source: str) -> None: ...
+  def poll(self, timeout: float) -> list: ...  # Finished | Failed events
+  def describe(self) -> str: ...
+
+
+class Controller:
+
+  def __init__(self, spec: TrainBatchSpec, policy: AdmissionPolicy, stream, pool: RolloutPool,
+               state: ControllerState, *, window: int, colocated: bool = False,
+               stall_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
+    self.spec, self.policy, self.stream, self.pool, self.state = spec, policy, stream, pool, state
+    self.window, self.colocated = window, colocated
+    self.stall_timeout_s, self.clock = stall_timeout_s, clock
+    self.replace: collections.deque[str] = collections.deque()  # sources of lost groups
+    self._dropped_seen = len(policy.dropped)
+    self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
+    self._last_progress = clock()
+    if state.stream is not None:
+      stream.restore(state.stream)
+    if state.position is not None:
+      policy.restore_position(state.position)
+
+  # ---- resume -------------------------------------------------------------------
+  def resume(self, units: Sequence[str], list_unit: Callable[[str, int], list[TrajMeta]]) -> int:
+    """Feeds the window's committed groups (and any committed after the checkpoint)
+    back to admission; window groups that never committed count as failed and are
+    replaced. Lists each unit from its watermark. Returns the groups fed."""
+    st, n = self.state, self.spec.group_size
+    found: dict[int, list[TrajMeta]] = collections.defaultdict(list)
+    for unit in units:
+      metas = list_unit(unit, st.start_rows.get(unit, 0))
+      st.saw(metas)
+      for m in metas:
+        found[m.group_id].append(m)
+    fed = 0
+    for gid in sorted(found):
+      metas = sorted(found[gid], key=lambda m: m.index_in_group)
+      if len(metas) != n:
+        continue  # a group commits all n rows at once; a partial one is not a group
+      if gid >= st.next_group:
+        st.adopt(gid, metas[0].source)  # dispatched after the checkpoint
+      elif gid not in st.window:
+        continue  # retired before the checkpoint
+      self.policy.dispatched(metas[0].source)
+      self._finished(metas)
+      fed += 1
+    for gid in [g for g in st.window if not st.is_finished(g)]:
+      self.replace.append(st.retire(gid, "failed"))  # its worker is gone with the old run
+    return fed
+
+  # ---- dispatch -------------------------------------------------------------------
+  def dispatch(self) -> int:
+    """Sends groups to rollout while the window has room; returns how many."""
+    sent = 0
+    if self.colocated:
+      if not self.state.window and not self.replace:  # the last train batch is trained
+        for _ in range(self.spec.groups_per_batch):
+          self._send(self.stream.next())
+          sent += 1
+      while self.replace:
+        self._send(self.replace.popleft())
+        sent += 1
+      return sent
+    while len(self.state.window) < self.window and self.pool.can_take():
+      self._send(self.replace.popleft() if self.replace else self.stream.next())
+      sent += 1
+    return sent
+
+  def _send(self, source: str) -> None:
+    gid = self.state.dispatch(source)
+    self.policy.dispatched(source)
+    self.pool.submit(gid, source)
+
+  # ---- reports ------------------------------------------------------------------
+  def poll(self, timeout: float = 0.0) -> int:
+    """Takes the pool's events (waiting up to `timeout` for the first); returns how many."""
+    events = self.pool.poll(timeout)
+    for ev in events:
+      if isinstance(ev, Finished):
+        self.state.saw(ev.metas)
+        if ev.metas[0].group_id in self.state.window:  # else: already failed and replaced
+          self._finished(sorted(ev.metas, key=lambda m: m.index_in_group))
+      elif isinstance(ev, Failed):
+        if ev.group_id in self.state.window:
+          source = self.state.retire(ev.group_id, "failed")
+          self.policy.failed(source)
+          self.replace.append(source)
+      else:
+        raise TypeError(f"unknown rollout event {ev!r}")
+    return len(events)
+
+  def _finished(self, metas: list[TrajMeta]) -> None:
+    self.state.finished(metas)
+    before = len(self.policy.dropped)
+    self.policy.finished(GroupInfo.from_metas(metas))
+    if len(self.policy.dropped) == before:
+      self._last_progress = self.clock()
+    self._retire_dropped()
+
+  def _retire_dropped(self) -> None:
+    for grp, why in self.policy.dropped[self._dropped_seen:]:
+      self.replace.append(self.state.retire(grp.group_id, why))
+    self._dropped_seen = len(self.policy.dropped)
+
+  # ---- admission and training -----------------------------------------------------
+  def admit(self, version: int) -> MiniBatch | None:
+    mb = self.policy.admit(version)
+    self._retire_dropped()  # stale groups are dropped inside admit
+    if mb is not None:
+      self._positions[(mb.train_batch, mb.index)] = self.policy.position()
+      self._last_progress = self.clock()
+    return mb
+
+  def trained(self, mb: MiniBatch) -> None:
+    """The mini-batch's step is done: its groups retire, the position moves past it."""
+    for grp in mb.groups:
+      self.state.retire(grp.group_id, "trained")
+    self.state.position = self._positions.pop((mb.train_batch, mb.index))
+    self._last_progress = self.clock()
+
+  def progress(self) -> dict:
+    """The durable state for a checkpoint (as of the last trained mini-batch)."""
+    self.state.stream = self.stream.state()
+    return self.state.to_json()
+
+  # ---- stalls ---------------------------------------------------------------------
+  def check_stall(self) -> None:
+    idle = self.clock() - self._last_progress
+    if idle > self.stall_timeout_s:
+      raise JobStalled(self.describe(idle))
+
+  def describe(self, idle: float | None = None) -> str:
+    p, st = self.policy, self.state
+    head = (f"no mini-batch admitted and no usable group finished for {idle:.0f} s "
+            f"(JobConfig.stall_timeout_s = {self.stall_timeout_s:g}); " if idle is not None else "")
+    return (f"{head}train batch {p.train_batch} mini-batch {p.index}: still needs "
+            f"{p.needed() if p.needed() is not None else 'any source'}; short sources "
+            f"{p.short_sources() or 'none'}; in flight {st.in_flight() or 'none'} "
+            f"({len(st.window)} of window {self.window}); finished, not admitted "
+            f"{p.pool_counts() or 'none'}; retired {dict(st.retired) or 'none'}; rollout: "
+            f"{self.pool.describe()}")

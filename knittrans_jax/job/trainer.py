@@ -1,0 +1,286 @@
+"""The trainer role: one entry point from a step's plan to an optimizer step.
+
+    trainer = Trainer(fns, state, OnDemand(store), layout, mine=range(C))
+    trainer.prefetch(work)          # start reading this step's micro-batches (optional)
+    result = trainer.step(work)     # read, step; no device-to-host transfer inside
+    metrics = result.fetch()        # the step's one host round trip, when it is wanted
+
+`work` (job/work.py) is a mini-batch's plan over every consumer; this trainer reads
+and trains the rows of its consumers `mine` only: its local micro-batch k is their
+k-th micro-batches side by side. Every caller uses this entry point: the job under
+one or many processes (job/run.py, job/trainer_group.py), job/replay.py and both
+benchmarks (scripts/bench_transfer.py, scripts/bench_multimodal.py), so the figures
+time the code the job runs.
+
+Data: one reader for the whole run (dataplane/). `OnDemand`: a background thread
+reads this trainer's micro-batches straight from the storage units, fed the stream
+of plans, so the next mini-batch is read while the current one trains.
+`Centralized`: the baseline, a driver's slice fetched whole before compute.
+
+Exposed wait: before taking a micro-batch that is not ready, the trainer first
+waits for the devices to finish the work already dispatched (compute could not
+start earlier), so what remains is time the devices sat idle for data: the design
+notes' data-ready minus compute-could-start.
+
+Steps: text, the naive VLM step (images in every row) or the encode-once step
+(multimodal/, image slots read once per mini-batch, first in the segment). Gradient
+and metric sums stay on the devices; the version is counted on the host.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from knittrans_jax.dataplane import PrefetchingReader
+from knittrans_jax.dataplane.centralized import CentralizedReader
+from knittrans_jax.job import distributed
+from knittrans_jax.job.batching import build_batch
+from knittrans_jax.job.work import StepWork
+from knittrans_jax.multimodal import EncodeOnceStep, read_slot_images
+from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.train import Checkpointer, StepFunctions, TrainState, check_batch, put_batch
+from knittrans_jax.train.batch import batch_shardings
+from knittrans_jax.types import Payload
+
+
+@dataclasses.dataclass(frozen=True)
+class OnDemand:
+  """Each trainer reads its own micro-batches from the units, `depth` items ahead.
+  `read` replaces the store's read (a QuarantiningReader's, in the job)."""
+  store: TrajectoryStore
+  depth: int = 2
+  read: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Centralized:
+  """The baseline: `fetch(micro_batches)` returns their payloads (dataplane/centralized.py)."""
+  fetch: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """Static shapes of this trainer's micro-batches: `rows` per micro-batch (its
+  consumers' rows), `seq_len` tokens per row; `image_shape` for a VLM."""
+  rows: int
+  seq_len: int
+  vocab_size: int
+  rows_multiple: int = 1  # batch shards this trainer's rows split over
+  image_shape: tuple[int, int, int] | None = None
+
+
+@dataclasses.dataclass
+class StepResult:
+  """Device values of one step; `fetch` brings them to the host in one transfer."""
+  key: tuple[int, int]
+  version: int  # policy version after the step
+  sums: Any  # metric sums over the mini-batch (loss, tokens, ...)
+  grad_norm: Any = None
+  grads: Any = None  # with step(apply=False): the mini-batch's gradient
+
+  def fetch(self) -> tuple[dict, float | None]:
+    sums, norm = jax.device_get((self.sums, self.grad_norm))
+    return {k: float(v) for k, v in sums.items()}, None if norm is None else float(norm)
+
+
+@dataclasses.dataclass
+class _Segment:
+  """A fed step's host-side state: rows to skip for images that could not be read."""
+  work: StepWork
+  slot_of: dict = dataclasses.field(default_factory=dict)
+  missing: set = dataclasses.field(default_factory=set)
+
+
+class Trainer:
+
+  def __init__(self, fns: StepFunctions, state: TrainState, data: OnDemand | Centralized,
+               layout: BatchLayout, mine: Sequence[int] = (0,), *,
+               encode_once: EncodeOnceStep | None = None, vision: bool = False,
+               version: int | None = None, quarantine=None,
+               checkpointer: Checkpointer | None = None, publisher=None,
+               process: int = 0, processes: int = 1, log: Callable[[str], None] = print):
+    self.fns, self.state, self.layout, self.mine = fns, state, layout, list(mine)
+    self.encode_once, self.vision = encode_once, vision
+    self.quarantine, self.checkpointer, self.publisher = quarantine, checkpointer, publisher
+    self.process, self.processes, self.log = process, processes, log
+    # The one device read of the version; from here it is counted on the host.
+    self.version = int(jax.device_get(state.version)) if version is None else version
+    self._batch_sh = None
+    if isinstance(data, OnDemand):
+      self.reader = PrefetchingReader(data.store, depth=data.depth, put=self._put, read=data.read,
+                                      read_images=encode_once is None)
+    else:
+      self.reader = CentralizedReader(data.fetch, put=self._put)
+    self._fed: collections.deque[_Segment] = collections.deque()
+    self._last = None  # the newest array the devices are computing
+    self.read_ids: list[str] = []  # trajectories this trainer read (logs/trainer{p}.json)
+    self._warned: set[str] = set()
+
+  # -- the entry point ----------------------------------------------------------------
+  def prefetch(self, work: StepWork) -> None:
+    """Feeds the step's micro-batches to the reader: reads start now, in order."""
+    seg = _Segment(work)
+    micros = work.local_micro_batches(self.mine)
+    self.read_ids.extend(m.id for micro in micros for m in micro)
+    first = None
+    if self.encode_once is not None:
+      if work.images is None:
+        raise ValueError(f"step {work.key}: the encode-once trainer needs the work's image plan")
+      # Slot numbers are global when the trainer processes hold every consumer (the
+      # image array spans them); a lone trainer of some consumers (a benchmark's
+      # consumer process) holds only its own slots, numbered from its first.
+      everyone = len(self.mine) * self.processes == len(work.consumers)
+      if not everyone and self.processes > 1:
+        raise ValueError(f"{self.processes} processes x {len(self.mine)} consumers each do not "
+                         f"cover the plan's {len(work.consumers)} consumers")
+      base = 0 if everyone else self.mine[0] * work.images.slots_per_consumer
+      seg.slot_of = {m.id: work.images.index[c][k][i] - base for c in self.mine
+                     for k, micro in enumerate(work.consumers[c]) for i, m in enumerate(micro)}
+      first = lambda read: self._read_slots(seg, read)  # noqa: E731
+    self.reader.feed(micros, lambda payload: self._prepare(seg, payload), first=first)
+    self._fed.append(seg)
+
+  def pending(self, key: tuple[int, int]) -> StepWork:
+    """The prefetched work of step `key` (a follower receives only the key)."""
+    if not self._fed or self._fed[0].work.key != key:
+      raise RuntimeError(f"step {key} was not prefetched next (pending: "
+                         f"{[s.work.key for s in self._fed]})")
+    return self._fed[0].work
+
+  def step(self, work: StepWork, apply: bool = True) -> StepResult:
+    """One optimizer step on `work` (or, with apply=False, its gradient only)."""
+    if not self._fed or self._fed[0].work is not work:
+      if self._fed:
+        raise RuntimeError(f"step {work.key} while step {self._fed[0].work.key} was prefetched")
+      self.prefetch(work)
+    self._fed.popleft()
+    fns, params = self.fns, self.state.params
+    total = jnp.float32(work.total_tokens)
+    sums = None
+    if self.encode_once is not None:
+      step = self.encode_once
+      images = self._take()
+      encoded = step.encode(params, images)
+      acc, acc_e = fns.zero_grads(params), step.zero_embed_grads(encoded)
+      for _ in range(work.num_micro_batches):
+        batch = self._take()
+        acc, acc_e, s = step.backbone(params, encoded, acc, acc_e, batch, total)
+        sums = s if sums is None else fns.add_sums(sums, s)
+        self._last = acc_e
+      grads = step.encoder_grads(params, images, encoded, acc, acc_e)
+    else:
+      grads = fns.zero_grads(params)
+      for _ in range(work.num_micro_batches):
+        batch = self._take()
+        if sums is None:
+          sums = fns.zero_sums(self.state, batch)
+        grads, sums = fns.micro_step(self.state, grads, sums, batch, total)
+        self._last = sums
+    self._report_quarantine()
+    if not apply:
+      return StepResult(work.key, self.version, sums, grads=grads)
+    self.state, metrics = fns.apply_step(self.state, grads)
+    self.version += 1
+    self._last = metrics["grad_norm"]
+    return StepResult(work.key, self.version, sums, grad_norm=metrics["grad_norm"])
+
+  # -- reading ------------------------------------------------------------------------
+  def _take(self):
+    if self._last is not None and not self.reader.ready():
+      jax.block_until_ready(self._last)  # waiting on compute is not waiting on data
+    return self.reader.take()
+
+  def _put(self, batch: dict) -> dict:
+    if self._batch_sh is None or self._batch_sh.keys() != batch.keys():
+      self._batch_sh = batch_shardings(self.fns.mesh, self.fns.rules, batch)
+    return put_batch(batch, self._batch_sh)
+
+  def _read_slots(self, seg: _Segment, read) -> jax.Array:
+    """This trainer's image slots (its consumers' side by side), on the devices."""
+    slots = np.concatenate([read_slot_images(read, seg.work.images, c, self.layout.image_shape,
+                                             missing=seg.missing) for c in self.mine])
+    return jax.make_array_from_process_local_data(self.encode_once.images_sharding, slots)
+
+  def _prepare(self, seg: _Segment, payload: Payload) -> dict:
+    """A payload -> the step's static-shape host arrays (right-padded)."""
+    lay = self.layout
+    if seg.missing:  # an image that could not be read: its rows do not train
+      keep = [i for i, m in enumerate(payload.metas) if m.image_ids[0] not in seg.missing]
+      for i in set(range(len(payload.metas))) - set(keep):
+        m = payload.metas[i]
+        if self.quarantine is not None:
+          self.quarantine.bad_rows.setdefault(m.id, f"image {m.image_ids[0]} could not be read")
+      payload = Payload([payload.metas[i] for i in keep], [payload.tokens[i] for i in keep],
+                        [payload.logprobs[i] for i in keep], [payload.loss_mask[i] for i in keep],
+                        payload.images)
+    batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
+    if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
+      raise RuntimeError("loss mask disagrees with the response lengths")
+    if self.encode_once is not None:
+      index = np.zeros(lay.rows, np.int32)  # padding rows: any slot, no loss
+      index[:len(payload.metas)] = [seg.slot_of[m.id] for m in payload.metas]
+      batch["image_index"] = index
+    elif self.vision:  # the naive step: the image copied into every row
+      images = np.zeros((lay.rows, *lay.image_shape), np.float32)
+      for i, m in enumerate(payload.metas):
+        images[i] = payload.images[m.image_ids[0]]
+      batch["images"] = images
+    check_batch(batch, lay.vocab_size, lay.rows_multiple)
+    return batch
+
+  def _report_quarantine(self) -> None:
+    if self.quarantine is None:
+      return
+    for unit, why in self.quarantine.quarantined.items():
+      if unit not in self._warned:
+        self._warned.add(unit)
+        self.log(f"\nprocess {self.process}: storage unit {unit} quarantined ({why}); its "
+                 "readable rows are still used")
+
+  # -- weights, checkpoints, the end ----------------------------------------------------
+  def publish(self) -> None:
+    """Every process writes its parameter shards; process 0 makes the version latest."""
+    self.publisher.write_part(self.version, self.state.params)
+    distributed.all_done(f"weights/{self.version}")
+    if self.process == 0:
+      self.publisher.commit(self.version, parts=self.processes)
+
+  def save_due(self) -> bool:
+    return self.checkpointer.should_save(self.version)
+
+  def save(self, progress: dict, force: bool = False) -> bool:
+    """Orbax writes from every process; the progress JSON is process 0's."""
+    return self.checkpointer.save(self.state, progress, force=force, step=self.version)
+
+  @property
+  def exposed_wait_s(self) -> float:
+    return self.reader.stats.exposed_wait_s
+
+  @property
+  def raw_transfer_s(self) -> float:
+    return self.reader.stats.raw_transfer_s
+
+  def close(self) -> None:
+    self.reader.close()
+
+  def finish(self, workdir: str | None = None) -> None:
+    self.close()
+    if self.checkpointer is not None:
+      self.checkpointer.wait()
+      self.checkpointer.close()
+    if workdir is not None:
+      os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
+      q = self.quarantine
+      with open(os.path.join(workdir, "logs", f"trainer{self.process}.json"), "w") as f:
+        json.dump({"process": self.process, "processes": self.processes,
+                   "consumers": self.mine, "exposed_data_wait_s": self.exposed_wait_s,
+                   "raw_transfer_s": self.raw_transfer_s, "read_ids": self.read_ids,
+                   "quarantined_units": q.quarantined if q else {},
+                   "skipped_rows": q.bad_rows if q else {}}, f)

@@ -1,0 +1,76 @@
+"""One optimizer step as the controller hands it to the trainers: metadata only.
+
+    planner = StepPlanner(consumers=C, micro_batch_size=B)
+    work = planner(mini_batch)          # StepWork: the plan, advantages, token count
+    trainer.step(work)                  # every trainer process, the same work
+
+Pure Python over metadata (no JAX, no payloads): the controller plans, every trainer
+process reads and trains its own consumers' share of the plan.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.job.batching import group_advantages_by_id
+from knittrans_jax.multimodal.image_plan import ImagePlan, plan_images
+from knittrans_jax.types import MiniBatch, TrajMeta
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+  """consumers[c][k]: consumer c's k-th micro-batch; advantages by trajectory id;
+  total_tokens: loss tokens of the whole mini-batch (every consumer), the divisor
+  of a true global token mean; images: the encode-once slot plan, or None."""
+  key: tuple[int, int]  # (train batch k, mini-batch j)
+  consumers: tuple[tuple[tuple[TrajMeta, ...], ...], ...]
+  advantages: dict[str, float]
+  total_tokens: int
+  images: ImagePlan | None = None
+
+  @property
+  def num_micro_batches(self) -> int:
+    return len(self.consumers[0])
+
+  def local_micro_batches(self, mine) -> list[tuple[TrajMeta, ...]]:
+    """The micro-batches of the consumers in `mine`, side by side: local micro-batch
+    k is their k-th micro-batches concatenated (a process's rows of global step k)."""
+    return [tuple(m for c in mine for m in self.consumers[c][k])
+            for k in range(self.num_micro_batches)]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPlanner:
+  """consumers: data-parallel consumers a mini-batch is split over; micro_batch_size:
+  rows of one global micro-batch (all consumers); image_slots: for the encode-once
+  step, (slot_multiple, min_slots) so every consumer's slots have one fixed shape
+  that splits over its batch shards; None for text or the naive step."""
+  consumers: int
+  micro_batch_size: int
+  normalize_adv_std: bool = True
+  image_slots: tuple[int, int] | None = None
+
+  def __post_init__(self):
+    if self.consumers <= 0 or self.micro_batch_size % self.consumers:
+      raise ValueError(f"StepPlanner: {self.consumers} consumers must divide micro_batch_size "
+                       f"= {self.micro_batch_size}")
+
+  def __call__(self, mb: MiniBatch) -> StepWork:
+    plan = plan_micro_batches(mb, self.consumers, self.micro_batch_size // self.consumers)
+    metas = [m for grp in mb.groups for m in grp.metas]
+    images = None
+    if self.image_slots is not None:
+      multiple, min_slots = self.image_slots
+      images = plan_images(plan.consumers, slot_multiple=multiple, min_slots=min_slots)
+    return StepWork(key=(mb.train_batch, mb.index), consumers=plan.consumers,
+                    advantages=group_advantages_by_id(mb.groups, self.normalize_adv_std),
+                    # every response token trains (the tasks' loss mask)
+                    total_tokens=sum(m.response_len for m in metas), images=images)
+
+
+def encode_once_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:
+  """(slot_multiple, min_slots) for StepPlanner.image_slots: each process's slots
+  split over its batch shards; at least one slot per group of a consumer's share."""
+  return (rows_multiple // math.gcd(rows_multiple, consumers),
+          -(-mini_batch_groups // consumers))

@@ -1,0 +1,180 @@
+"""The rollout side as the controller sees it: a pool that takes (group id, source)
+requests and returns Finished / Failed events (job/controller.py).
+
+WorkerPool      `local` worker processes (spawned, one CPU device each) and, with a
+                control address, workers that join from other hosts
+                (rollout/remote.py). Supervises them: a dead local worker is
+                restarted; a remote one silent for its timeout is forgotten. Either
+                way, the groups it held that are fully committed in its unit count as
+                finished and the rest are reported failed (the controller replaces them).
+ColocatedPool   no workers: `poll` generates the requested groups in this process
+                with the trainer's current weights, then reports them (the colocated
+                reference, synchronous execution).
+"""
+from __future__ import annotations
+
+import collections
+import multiprocessing as mp
+import queue
+import time
+from typing import Callable
+
+from knittrans_jax.job.controller import Failed, Finished
+from knittrans_jax.rollout.remote import ControlServer
+from knittrans_jax.rollout.worker import worker_main
+from knittrans_jax.storage import TrajectoryStore
+
+
+class WorkerPool:
+
+  def __init__(self, workdir: str, store: TrajectoryStore, store_url: str, *, local: int,
+               worker_args: dict, control_address: str | None = None, store_in_workdir=False,
+               log: Callable[[str], None] = print):
+    self.workdir, self.store, self.store_url = workdir, store, store_url
+    self.args, self.log = worker_args, log
+    self._ctx = mp.get_context("spawn")
+    self.reports, self.stop = self._ctx.Queue(), self._ctx.Event()
+    self.procs: dict[int, mp.Process] = {}
+    self.requests: dict[int, mp.Queue] = {}
+    self.held: dict[int, tuple[int, str]] = {}  # group id -> (worker, source)
+    self.restarts = 0
+    for w in range(local):
+      self._start(w)
+    self.control = None
+    if control_address:
+      used = [int(u[6:]) for u in store.units() if u.startswith("worker") and u[6:].isdigit()]
+      self.control = ControlServer(workdir, control_address, max([local - 1, *used]) + 1,
+                                   dict(store_url=store_url, store_in_workdir=store_in_workdir,
+                                        **worker_args))
+      log(f"serving remote rollout workers at {self.control.address} "
+          f"(scripts/rollout_worker.py --workdir {workdir})")
+
+  def _start(self, w: int) -> None:
+    a = self.args
+    self.requests[w] = self._ctx.Queue()
+    p = self._ctx.Process(target=worker_main, daemon=True, args=(
+        w, self.workdir, self.store_url, a["seed"], a["n"], a["model_config"],
+        a["sampler_config"], self.requests[w], self.reports, self.stop),
+        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"]))
+    p.start()
+    self.procs[w] = p
+
+  def _ready(self) -> list[int]:
+    return [*self.procs, *(self.control.alive() if self.control else ())]
+
+  def can_take(self) -> bool:
+    return bool(self._ready())
+
+  def submit(self, group_id: int, source: str) -> None:
+    load = collections.Counter(w for w, _ in self.held.values())
+    w = min(self._ready(), key=lambda w: (load[w], w))
+    (self.requests[w] if w in self.procs else self.control.requests[w]).put((group_id, source))
+    self.held[group_id] = (w, source)
+
+  def poll(self, timeout: float) -> list:
+    events = []
+    queues = [self.reports, self.control.reports] if self.control else [self.reports]
+    for k, q in enumerate(queues):
+      try:
+        msg = q.get(timeout=timeout if k == 0 else 0)
+      except queue.Empty:
+        continue
+      while msg is not None:
+        events += self._handle(msg)
+        try:
+          msg = q.get_nowait()
+        except queue.Empty:
+          msg = None
+    for w, p in list(self.procs.items()):
+      if not p.is_alive():
+        self.log(f"\nrollout worker {w} died (exit code {p.exitcode}); restarting it")
+        self.restarts += 1
+        events += self._release(w)
+        self._start(w)
+    if self.control:
+      for w in self.control.silent():
+        self.log(f"\nremote rollout worker {w} silent for {self.control.timeout_s:.0f} s; "
+                 "re-dispatching what it held")
+        self.control.forget(w)
+        events += self._release(w)
+    return events
+
+  def _handle(self, msg) -> list:
+    if msg[0] == "done":
+      _, w, gid, metas = msg
+      self.held.pop(gid, None)
+      return [Finished(tuple(metas))]
+    if msg[0] in ("alive", "hello"):
+      if msg[0] == "hello":
+        self.log(f"\nremote rollout worker {msg[1]} joined from {msg[2]}")
+      self.control.seen(msg[1])
+      return []
+    self.log(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
+    return []
+
+  def _release(self, w: int) -> list:
+    """A lost worker's groups: committed ones finished, the rest failed."""
+    held = {gid: s for gid, (ww, s) in self.held.items() if ww == w}
+    committed = collections.defaultdict(list)
+    if held and f"worker{w}" in self.store.units():
+      for m in self.store.list_committed(f"worker{w}"):
+        if m.group_id in held:
+          committed[m.group_id].append(m)
+    events = []
+    for gid in held:
+      del self.held[gid]
+      if len(committed[gid]) == self.args["n"]:
+        events.append(Finished(tuple(committed[gid])))
+      else:
+        events.append(Failed(gid, f"worker {w} was lost"))
+    return events
+
+  def describe(self) -> str:
+    load = collections.Counter(w for w, _ in self.held.values())
+    workers = [f"worker {w}: {load[w]} groups" for w in sorted({*self._ready(), *load})]
+    return ", ".join(workers) or "no worker connected"
+
+  def close(self) -> None:
+    self.stop.set()
+    if self.control:
+      self.control.close()
+    for q in self.requests.values():
+      q.put(None)
+    deadline = time.monotonic() + 5.0  # a worker mid-call finishes it; a hung one is killed
+    for p in self.procs.values():
+      p.join(timeout=max(0.0, deadline - time.monotonic()))
+      if p.is_alive():
+        p.kill()
+        p.join(timeout=5)
+
+
+class ColocatedPool:
+  """Generates requested groups in this process when polled (see module doc).
+
+  `generate(requests)` returns rollout/groups.RolledGroup lists for (group id,
+  source) requests, with the current weights; each group is committed to `writer`
+  before it is reported."""
+
+  def __init__(self, generate: Callable, writer, chunk: int = 16):
+    self.generate, self.writer, self.chunk = generate, writer, chunk
+    self.pending: list[tuple[int, str]] = []
+
+  def can_take(self) -> bool:
+    return True
+
+  def submit(self, group_id: int, source: str) -> None:
+    self.pending.append((group_id, source))
+
+  def poll(self, timeout: float) -> list:
+    events = []
+    while self.pending:
+      requests, self.pending = self.pending[:self.chunk], self.pending[self.chunk:]
+      for group in self.generate(requests):
+        events.append(Finished(tuple(self.writer.append(group.trajectories, images=group.images))))
+    return events
+
+  def describe(self) -> str:
+    return f"colocated generation, {len(self.pending)} groups queued"
+
+  def close(self) -> None:
+    pass

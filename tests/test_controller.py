@@ -1,0 +1,277 @@
+"""The controller over metadata only (job/controller.py, job/progress.py): a fake
+rollout pool and a fake trainer, the job's loop in miniature. Covers the defects of
+issue 15: resume after drops, colocated drops, stalls, and the admission position
+of a mini-batch admitted but not trained."""
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import pytest
+
+from knittrans_jax.admission import TrainBatchSpec, make_policy
+from knittrans_jax.job.controller import Controller, Failed, Finished, JobStalled
+from knittrans_jax.job.progress import ControllerState, ProgressError
+from knittrans_jax.sim.workload import PromptStream
+from knittrans_jax.types import TrajMeta
+
+SOURCES = ("a", "b", "c")
+N = 2
+
+
+def spec(**kw):
+  base = dict(group_size=N, groups_per_batch=6, num_mini_batches=3,
+              source_quota={"a": 2, "b": 2, "c": 2})
+  return TrainBatchSpec(**{**base, **kw})
+
+
+class FakePool:
+  """Finishes up to `per_poll` queued groups per poll into two units; group rewards
+  from `reward(gid)` (equal rewards: zero signal); version from `version()`."""
+
+  def __init__(self, reward=lambda gid: [0.0, 1.0], per_poll=2, version=lambda: 0):
+    self.queue: list[tuple[int, str]] = []
+    self.rows = {"w0": [], "w1": []}
+    self.reward, self.per_poll, self.version = reward, per_poll, version
+    self.lost: list[int] = []  # group ids to report failed instead
+
+  def can_take(self):
+    return True
+
+  def submit(self, gid, source):
+    self.queue.append((gid, source))
+
+  def poll(self, timeout):
+    events = []
+    for gid, source in self.queue[:self.per_poll]:
+      if gid in self.lost:
+        events.append(Failed(gid, "lost"))
+        continue
+      unit = f"w{gid % 2}"
+      rows = self.rows[unit]
+      metas = tuple(TrajMeta(unit, len(rows) + i, 0, 2, 3, source, gid, i, self.version(),
+                             self.version(), r) for i, r in enumerate(self.reward(gid)))
+      rows.extend(metas)
+      events.append(Finished(metas))
+    del self.queue[:self.per_poll]
+    return events
+
+  def describe(self):
+    return f"{len(self.queue)} queued"
+
+  def list_unit(self, unit, start):
+    return list(self.rows[unit][start:])
+
+
+class Run:
+  """The job's loop without JAX: one mini-batch admitted ahead of the step."""
+
+  def __init__(self, sp, pool, state=None, policy="constraint_preserving", window=None,
+               colocated=False, clock=None, version=0):
+    self.spec, self.pool, self.version = sp, pool, version
+    self.policy = make_policy(policy, sp)
+    self.ctl = Controller(sp, self.policy, PromptStream(sp, SOURCES, np.random.default_rng(0)),
+                          pool, state or ControllerState(),
+                          window=window or 2 * sp.groups_per_batch, colocated=colocated,
+                          stall_timeout_s=10.0, **({"clock": clock} if clock else {}))
+    pool.version = lambda: self.version
+    self.trained = []  # (version, mini-batch)
+    self.checkpoints = []  # (version, progress json)
+
+  def loop(self, target, max_iters=10_000, checkpoint_every=None):
+    ahead = collections.deque()
+
+    def admit():
+      if not ahead and (mb := self.ctl.admit(self.version)) is not None:
+        ahead.append(mb)
+    for _ in range(max_iters):
+      if self.version >= target:
+        return
+      self.ctl.dispatch()
+      self.ctl.poll()
+      admit()
+      if not ahead:
+        self.ctl.check_stall()
+        continue
+      mb = ahead.popleft()
+      self.version += 1  # the step
+      self.ctl.dispatch()
+      self.ctl.poll()
+      admit()  # read ahead: admitted, not trained
+      self.ctl.trained(mb)
+      self.trained.append((self.version, mb))
+      if checkpoint_every and self.version % checkpoint_every == 0:
+        self.checkpoints.append((self.version, json.loads(json.dumps(self.ctl.progress()))))
+    raise AssertionError(f"no progress after {max_iters} iterations: {self.ctl.describe()}")
+
+
+def gids(trained):
+  return [grp.group_id for _, mb in trained for grp in mb.groups]
+
+
+def check_batches(trained, sp):
+  """Every train batch: M mini-batches j = 0..M-1, in order, exact quotas."""
+  by_k = collections.defaultdict(list)
+  for _, mb in trained:
+    by_k[mb.train_batch].append(mb)
+  for k, mbs in by_k.items():
+    assert [mb.index for mb in mbs] == list(range(len(mbs))), (k, [mb.index for mb in mbs])
+    if len(mbs) == sp.num_mini_batches:
+      counts = collections.Counter(grp.source for mb in mbs for grp in mb.groups)
+      assert counts == collections.Counter(sp.source_quota), (k, counts)
+
+
+def test_state_retires_once_and_round_trips():
+  st = ControllerState()
+  a, b = st.dispatch("x"), st.dispatch("y")
+  st.finished([TrajMeta("u", 5, 0, 1, 1, "x", a, 0, 0, 0, 1.0)])
+  assert st.watermarks() == {"u": 5} and st.in_flight() == {"y": 1}
+  assert st.retire(a, "trained") == "x"
+  assert st.watermarks() == {"u": 6}
+  with pytest.raises(ProgressError, match="already retired"):
+    st.retire(a, "stale")
+  with pytest.raises(ProgressError, match="never dispatched"):
+    st.retire(7, "failed")
+  back = ControllerState.from_json(json.loads(json.dumps(st.to_json())))
+  assert back.next_group == 2 and back.window == {b: "y"} and back.start_rows == {"u": 6}
+  with pytest.raises(ProgressError, match="older version"):
+    ControllerState.from_json({"consumed": ["u/0"], "next_group": 3})
+
+
+def test_window_is_derived_and_replacements_go_first():
+  sp = spec()
+  pool = FakePool(per_poll=0)
+  run = Run(sp, pool, window=5)
+  assert run.ctl.dispatch() == 5 and len(run.ctl.state.window) == 5
+  assert run.ctl.dispatch() == 0
+  pool.lost, pool.per_poll = [0], 1
+  run.ctl.poll()  # group 0's worker was lost: failed, replaced by its source first
+  assert run.ctl.state.retired == {"failed": 1} and len(run.ctl.state.window) == 4
+  lost_source = run.ctl.replace[0]
+  run.ctl.dispatch()
+  assert pool.queue[-1] == (5, lost_source) and len(run.ctl.state.window) == 5
+
+
+@pytest.mark.parametrize("policy", ["constraint_preserving", "train_batch"])
+def test_resume_after_zero_signal_and_stale_drops_finishes(policy):
+  """The issue's reproduction in miniature: drops before a checkpoint, a crash after
+  it, resume; before the fix the window filled with ghosts and nothing dispatched."""
+  sp = spec(drop_zero_signal=True, max_staleness=2)
+  zero = lambda gid: [1.0, 1.0] if gid % 5 == 0 else [0.0, 1.0]  # noqa: E731
+  first = Run(sp, FakePool(reward=zero, per_poll=3), policy=policy)
+  first.loop(target=10, checkpoint_every=4)
+  dropped = first.ctl.state.retired["zero_signal"] + first.ctl.state.retired["stale"]
+  assert first.ctl.state.retired["zero_signal"] > 0 and first.ctl.state.retired["stale"] > 0
+  v, progress = first.checkpoints[-1]  # the crash: steps after the checkpoint are undone
+  before = [(ver, mb) for ver, mb in first.trained if ver <= v]
+  state = ControllerState.from_json(progress)
+  second = Run(sp, first.pool, state=state, policy=policy, version=v)
+  fed = second.ctl.resume(list(first.pool.rows), first.pool.list_unit)
+  assert fed > 0
+  second.loop(target=24)
+  trained = gids(before) + gids(second.trained)
+  assert len(trained) == len(set(trained)), "a group trained twice"
+  zero_gids = {g for g in range(second.ctl.state.next_group) if g % 5 == 0}
+  assert not set(trained) & zero_gids, "a zero-signal group trained"
+  check_batches(before + second.trained, sp)
+  assert dropped >= 1 and len(second.ctl.state.window) <= 2 * sp.groups_per_batch
+
+
+def test_stale_drop_is_retired_once_across_resume():
+  sp = spec(max_staleness=0)
+  run = Run(sp, FakePool(per_poll=6))
+  run.loop(target=6, checkpoint_every=3)
+  stale_before = run.ctl.state.retired["stale"]
+  assert stale_before > 0
+  v, progress = run.checkpoints[0]
+  state = ControllerState.from_json(progress)
+  again = Run(sp, run.pool, state=state, version=v)
+  again.ctl.resume(list(run.pool.rows), run.pool.list_unit)
+  # Groups dropped before the checkpoint are retired in it: never fed again.
+  fed_ids = {grp.group_id for grp in again.policy.pool_groups()}
+  assert not fed_ids & {g for g in range(progress["next_group"])
+                        if str(g) not in progress["window"]}
+
+
+def test_resume_keeps_the_train_batch_index_of_a_mini_batch_admitted_ahead():
+  """A mini-batch admitted (read ahead) but not trained when the run stops is admitted
+  again on resume with the same j; the train batch gets all M mini-batches."""
+  sp = spec()
+  run = Run(sp, FakePool(per_poll=4))
+  run.loop(target=4, checkpoint_every=1)
+  v, progress = run.checkpoints[-1]
+  M = sp.num_mini_batches
+  assert (progress["position"]["train_batch"], progress["position"]["index"]) == (v // M, v % M)
+  assert run.ctl._positions, "the loop admitted one ahead"
+  again = Run(sp, run.pool, state=ControllerState.from_json(progress), version=v)
+  again.ctl.resume(list(run.pool.rows), run.pool.list_unit)
+  again.loop(target=9)
+  check_batches(run.trained + again.trained, sp)
+  assert [mb.index for _, mb in again.trained][:2] == [v % 3, (v + 1) % 3]
+  trained = gids(run.trained) + gids(again.trained)
+  assert len(trained) == len(set(trained))
+
+
+def test_groups_committed_after_the_checkpoint_are_adopted_and_lost_ones_replaced():
+  sp = spec()
+  run = Run(sp, FakePool(per_poll=3))
+  run.loop(target=3, checkpoint_every=3)
+  v, progress = run.checkpoints[-1]
+  run.loop(target=5)  # after the checkpoint: more groups committed, then the crash
+  committed = {m.group_id for rows in run.pool.rows.values() for m in rows}
+  state = ControllerState.from_json(progress)
+  again = Run(sp, run.pool, state=state, version=v)
+  again.ctl.resume(list(run.pool.rows), run.pool.list_unit)
+  window = set(again.ctl.state.window)
+  assert max(committed) in window  # adopted
+  assert again.ctl.state.next_group == max(committed) + 1
+  never = {int(g) for g in progress["window"]} - committed
+  assert again.ctl.state.retired["failed"] == len(never)
+  assert len(again.ctl.replace) == len(never)
+
+
+def test_colocated_replaces_dropped_groups_and_finishes():
+  sp = spec(drop_zero_signal=True)
+  zero = lambda gid: [1.0, 1.0] if gid % 4 == 1 else [0.0, 1.0]  # noqa: E731
+  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", colocated=True)
+  run.loop(target=9, max_iters=200)
+  check_batches(run.trained, sp)
+  assert run.ctl.state.retired["zero_signal"] > 0
+  # Each train batch was generated at its first mini-batch's version (synchronous).
+  for ver, mb in run.trained:
+    assert all(grp.version == (ver - 1) - mb.index for grp in mb.groups), (ver, mb.index)
+
+
+def test_stall_names_the_short_sources_and_what_is_in_flight():
+  now = [0.0]
+  sp = spec()
+  pool = FakePool(per_poll=0)  # a hung worker: nothing ever finishes
+  run = Run(sp, pool, clock=lambda: now[0])
+  run.ctl.dispatch()
+  run.ctl.check_stall()
+  now[0] = 10.5
+  with pytest.raises(JobStalled, match=r"for 10 s \(JobConfig.stall_timeout_s = 10\).*short "
+                                       r"sources none; in flight \{.*\} \(12 of window 12\)"):
+    run.ctl.check_stall()
+  # No worker to take anything: every source with a quota is short.
+  pool = FakePool()
+  pool.can_take = lambda: False
+  run = Run(sp, pool, clock=lambda: now[0])
+  assert run.ctl.dispatch() == 0
+  now[0] = 30.0
+  with pytest.raises(JobStalled, match=r"short sources \['a', 'b', 'c'\]; in flight none"):
+    run.ctl.check_stall()
+
+
+def test_a_source_whose_groups_are_all_dropped_stalls_instead_of_spinning():
+  now = [0.0]
+
+  def clock():
+    now[0] += 0.01
+    return now[0]
+  sp = spec(drop_zero_signal=True)
+  pool = FakePool(reward=lambda gid: [1.0, 1.0], per_poll=4)
+  run = Run(sp, pool, clock=clock)
+  with pytest.raises(JobStalled, match="zero_signal"):
+    run.loop(target=3, max_iters=5000)
