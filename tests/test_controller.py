@@ -275,3 +275,59 @@ def test_a_source_whose_groups_are_all_dropped_stalls_instead_of_spinning():
   run = Run(sp, pool, clock=clock)
   with pytest.raises(JobStalled, match="zero_signal"):
     run.loop(target=3, max_iters=5000)
+
+
+def test_repeated_or_late_reports_change_nothing():
+  sp = spec()
+  pool = FakePool(per_poll=0)
+  run = Run(sp, pool)
+  run.ctl.dispatch()
+  pool.per_poll = 1
+  run.ctl.poll()  # group 0 finished
+  done = Finished(tuple(pool.rows["w0"]))
+  pool.poll = lambda timeout: [done, Failed(0, "worker lost after committing")]
+  run.ctl.poll()  # the same report again, then a failure for a finished group
+  assert run.ctl.state.is_finished(0) and not run.ctl.state.retired
+  assert [grp.group_id for grp in run.policy.pool_groups()] == [0]
+  pool.poll = lambda timeout: [Failed(1, "lost"), Failed(1, "lost again")]
+  run.ctl.poll()
+  assert run.ctl.state.retired == {"failed": 1} and len(run.ctl.replace) == 1
+  late = Finished(tuple(TrajMeta("w1", i, 0, 2, 3, "a", 1, i, 0, 0, float(i)) for i in range(N)))
+  pool.poll = lambda timeout: [late]  # the lost worker reports after all
+  run.ctl.poll()
+  assert not run.ctl.state.is_finished(1) and run.ctl.state.retired == {"failed": 1}
+
+
+def test_replacements_owed_at_a_checkpoint_are_kept():
+  sp = spec(drop_zero_signal=True)
+  pool = FakePool(reward=lambda gid: [1.0, 1.0] if gid in (0, 1) else [0.0, 1.0], per_poll=0)
+  run = Run(sp, pool)
+  run.ctl.dispatch()
+  pool.per_poll = 2
+  run.ctl.poll()  # groups 0 and 1 dropped: two replacements owed, not yet dispatched
+  progress = json.loads(json.dumps(run.ctl.progress()))
+  assert progress["replace"] == list(run.ctl.replace) and len(progress["replace"]) == 2
+  again = Run(sp, pool, state=ControllerState.from_json(progress))
+  assert list(again.ctl.replace) == progress["replace"]
+
+
+def test_colocated_resume_regenerates_the_batch_begun_after_the_checkpoint():
+  """Colocated, a crash after train batch k+1 was generated (a dropped group and its
+  replacement committed too): on resume those groups are skipped and k+1 is
+  generated again, so the window empties and every later batch is dispatched."""
+  sp = spec(drop_zero_signal=True)
+  zero = lambda gid: [1.0, 1.0] if gid % 7 == 3 else [0.0, 1.0]  # noqa: E731
+  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", colocated=True)
+  run.loop(target=3, checkpoint_every=3)
+  v, progress = run.checkpoints[-1]
+  run.loop(target=4)  # batch 1 generated (with a drop and its replacement), one step
+  committed = max(m.group_id for rows in run.pool.rows.values() for m in rows)
+  again = Run(sp, run.pool, state=ControllerState.from_json(progress), policy="train_batch",
+              colocated=True, version=v)
+  assert again.ctl.resume(list(run.pool.rows), run.pool.list_unit) == 0
+  assert again.ctl.state.next_group == committed + 1 and not again.ctl.state.window
+  again.loop(target=9, max_iters=300)
+  check_batches(run.trained[:3] + again.trained, sp)
+  for ver, mb in again.trained:
+    assert all(grp.group_id > committed for grp in mb.groups)
+    assert all(grp.version == (ver - 1) - mb.index for grp in mb.groups)

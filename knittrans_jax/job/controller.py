@@ -67,7 +67,8 @@ class Controller:
     self.spec, self.policy, self.stream, self.pool, self.state = spec, policy, stream, pool, state
     self.window, self.colocated = window, colocated
     self.stall_timeout_s, self.clock = stall_timeout_s, clock
-    self.replace: collections.deque[str] = collections.deque()  # sources of lost groups
+    # Sources owed a replacement (dropped or failed groups); saved with the state.
+    self.replace: collections.deque[str] = collections.deque(state.replace)
     self._dropped_seen = len(policy.dropped)
     self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
     self._last_progress = clock()
@@ -78,9 +79,13 @@ class Controller:
 
   # ---- resume -------------------------------------------------------------------
   def resume(self, units: Sequence[str], list_unit: Callable[[str, int], list[TrajMeta]]) -> int:
-    """Feeds the window's committed groups (and any committed after the checkpoint)
-    back to admission; window groups that never committed count as failed and are
-    replaced. Lists each unit from its watermark. Returns the groups fed."""
+    """Feeds the window's committed groups (and, disaggregated, any committed after
+    the checkpoint) back to admission; window groups that never committed count as
+    failed and are replaced. Lists each unit from its watermark. Returns the groups
+    fed. Colocated, groups committed after the checkpoint are skipped (their ids
+    too): train batch k+1 is generated again from the restored weights, so it is
+    the batch an uninterrupted run would have, and no surplus group keeps the window
+    from emptying."""
     st, n = self.state, self.spec.group_size
     found: dict[int, list[TrajMeta]] = collections.defaultdict(list)
     for unit in units:
@@ -94,6 +99,9 @@ class Controller:
       if len(metas) != n:
         continue  # a group commits all n rows at once; a partial one is not a group
       if gid >= st.next_group:
+        if self.colocated:
+          st.skip_to(gid + 1)
+          continue
         st.adopt(gid, metas[0].source)  # dispatched after the checkpoint
       elif gid not in st.window:
         continue  # retired before the checkpoint
@@ -131,13 +139,16 @@ class Controller:
   def poll(self, timeout: float = 0.0) -> int:
     """Takes the pool's events (waiting up to `timeout` for the first); returns how many."""
     events = self.pool.poll(timeout)
+    st = self.state
     for ev in events:
       if isinstance(ev, Finished):
-        self.state.saw(ev.metas)
-        if ev.metas[0].group_id in self.state.window:  # else: already failed and replaced
+        st.saw(ev.metas)
+        gid = ev.metas[0].group_id
+        # A late or repeated report (a worker released, then heard from) changes nothing.
+        if gid in st.window and not st.is_finished(gid):
           self._finished(sorted(ev.metas, key=lambda m: m.index_in_group))
       elif isinstance(ev, Failed):
-        if ev.group_id in self.state.window:
+        if ev.group_id in st.window and not st.is_finished(ev.group_id):
           source = self.state.retire(ev.group_id, "failed")
           self.policy.failed(source)
           self.replace.append(source)
@@ -177,6 +188,7 @@ class Controller:
   def progress(self) -> dict:
     """The durable state for a checkpoint (as of the last trained mini-batch)."""
     self.state.stream = self.stream.state()
+    self.state.replace = list(self.replace)
     return self.state.to_json()
 
   # ---- stalls ---------------------------------------------------------------------

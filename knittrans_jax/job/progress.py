@@ -38,6 +38,7 @@ class ControllerState:
   unit_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # rows seen per unit
   position: dict | None = None  # admission position after the last trained mini-batch
   stream: dict | None = None  # the prompt stream's state
+  replace: list[str] = dataclasses.field(default_factory=list)  # sources owed a replacement
   start_rows: dict[str, int] = dataclasses.field(default_factory=dict)  # resume scans start here
   # In memory only: the first row of each finished group still in the window.
   _rows: dict[int, tuple[str, int]] = dataclasses.field(default_factory=dict, repr=False)
@@ -49,11 +50,20 @@ class ControllerState:
     return gid
 
   def adopt(self, gid: int, source: str) -> None:
-    """A group dispatched after the last checkpoint, found committed on resume."""
-    if gid < self.next_group:
-      raise ProgressError(f"group {gid} is below next_group {self.next_group}: not new")
+    """A group dispatched after the last checkpoint, found committed on resume. The
+    ids skipped on the way were dispatched after the checkpoint and never committed:
+    they count as failed (their sources are not known; the prompt stream, restored
+    to the checkpoint, draws them again)."""
+    self.skip_to(gid)
     self.next_group = gid + 1
     self.window[gid] = source
+
+  def skip_to(self, gid: int) -> None:
+    """Ids in [next_group, gid) will never be dispatched: retire them as failed."""
+    if gid < self.next_group:
+      raise ProgressError(f"group {gid} is below next_group {self.next_group}: not new")
+    self.retired["failed"] += gid - self.next_group
+    self.next_group = gid
 
   def saw(self, metas: Iterable[TrajMeta]) -> None:
     """Committed rows the controller has listed or been told of."""
@@ -100,7 +110,7 @@ class ControllerState:
     return {"format": FORMAT, "next_group": self.next_group,
             "window": {str(g): s for g, s in sorted(self.window.items())},
             "retired": dict(self.retired), "watermarks": self.watermarks(),
-            "position": self.position, "stream": self.stream}
+            "position": self.position, "stream": self.stream, "replace": list(self.replace)}
 
   @classmethod
   def from_json(cls, data: dict) -> "ControllerState":
@@ -112,4 +122,5 @@ class ControllerState:
                window={int(g): s for g, s in data["window"].items()},
                retired=collections.Counter(data.get("retired", {})),
                position=data.get("position"), stream=data.get("stream"),
+               replace=list(data.get("replace", [])),
                start_rows={u: int(r) for u, r in data.get("watermarks", {}).items()})

@@ -36,7 +36,7 @@ from knittrans_jax import gin_cli
 from knittrans_jax.admission import make_policy
 from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.config import JobConfig
-from knittrans_jax.job.controller import Controller
+from knittrans_jax.job.controller import Controller, JobStalled
 from knittrans_jax.job.distributed import PlanChannel, barrier
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.job.progress import ControllerState
@@ -181,6 +181,7 @@ class Job:
       else:
         state, progress = restored
     per_process = self.consumers // self.processes
+    version = int(jax.device_get(state.version))  # once; the trainer counts on the host
     vit = self.vit_cfg
     layout = BatchLayout(rows=cfg.micro_batch_size // self.processes, seq_len=cfg.seq_len,
                          vocab_size=self.model_cfg.vocab_size,
@@ -194,8 +195,8 @@ class Job:
     trainer = Trainer(
         fns, state, data, layout, range(self.process * per_process, (self.process + 1) * per_process),
         encode_once=EncodeOnceStep(fns, EncodeOnceConfig()) if encode_once else None,
-        vision=self.vision, quarantine=self.quarantine, checkpointer=self.ckpt,
-        publisher=WeightPublisher(self.workdir, process=self.process),
+        vision=self.vision, version=version, quarantine=self.quarantine, checkpointer=self.ckpt,
+        publisher=WeightPublisher(self.workdir, process=self.process, version=version),
         process=self.process, processes=self.processes)
     return trainer, progress
 
@@ -262,7 +263,8 @@ class Job:
       self.bar.close()
       if pool is not None:
         pool.close()
-      if completed or self.processes == 1:
+      stalled = isinstance(sys.exc_info()[1], JobStalled)  # raised between steps
+      if completed or stalled or self.processes == 1:
         try:
           if hasattr(self, "controller"):
             trainers.save(self.controller.progress(), force=True)
@@ -302,17 +304,25 @@ class Job:
         continue
       mb, work = ahead.popleft()
       v_consume = trainers.version
-      result = trainers.step(work)  # dispatched; the devices compute on
+      result = trainers.step(work)  # applied on dispatch; the devices compute on
+      failure = None
       if trainers.version < target:  # admit and read the next one meanwhile
-        ctl.dispatch()
-        ctl.poll(timeout=0.0)
-        admit()
+        try:
+          ctl.dispatch()
+          ctl.poll(timeout=0.0)
+          admit()
+        except Exception as e:  # noqa: BLE001  (re-raised once this step is recorded)
+          failure = e
+      # Record the step before anything else can fail: its update is applied, so a
+      # checkpoint written now must count its groups as trained.
       sums, grad_norm = result.fetch()  # the step's one host round trip
       ctl.trained(mb)
       metas = [m for grp in mb.groups for m in grp.metas]
       self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
+      if failure is not None:
+        raise failure
       if self.cfg.mode == "disaggregated":
         trainers.publish()
       if trainers.save_due():

@@ -238,7 +238,7 @@ class Trainer:
   def _report_quarantine(self) -> None:
     if self.quarantine is None:
       return
-    for unit, why in self.quarantine.quarantined.items():
+    for unit, why in list(self.quarantine.quarantined.items()):  # the reader thread adds
       if unit not in self._warned:
         self._warned.add(unit)
         self.log(f"\nprocess {self.process}: storage unit {unit} quarantined ({why}); its "

@@ -102,7 +102,8 @@ class WorkerPool:
   def _handle(self, msg) -> list:
     if msg[0] == "done":
       _, w, gid, metas = msg
-      self.held.pop(gid, None)
+      if self.held.pop(gid, None) is None:
+        return []  # already released (its worker was lost): reported from the store then
       return [Finished(tuple(metas))]
     if msg[0] in ("alive", "hello"):
       if msg[0] == "hello":

@@ -22,12 +22,23 @@ def _version_dir(root: str, version: int) -> str:
   return os.path.join(root, f"v{version:08d}")
 
 
-class WeightPublisher:
+def _versions(root: str) -> list[int]:
+  return sorted(int(d[1:]) for d in os.listdir(root) if d.startswith("v") and d[1:].isdigit())
 
-  def __init__(self, workdir: str, keep: int = 3, process: int = 0):
+
+class WeightPublisher:
+  """`version`: the trainer's version at start. Process 0 removes versions above it,
+  left by a run that went further before it stopped (resume starts from its last
+  checkpoint): the next publish must not be pruned as the oldest."""
+
+  def __init__(self, workdir: str, keep: int = 3, process: int = 0, version: int | None = None):
     self.dir = os.path.join(workdir, "weights")
     os.makedirs(self.dir, exist_ok=True)
     self.keep, self.process = keep, process
+    if process == 0 and version is not None:
+      for v in _versions(self.dir):
+        if v > version:
+          shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
 
   def write_part(self, version: int, params) -> str:
     """This process's shards of `params` (device arrays) at `version`."""
@@ -62,9 +73,9 @@ class WeightPublisher:
     with open(tmp, "w") as f:
       f.write(str(version))
     os.replace(tmp, os.path.join(self.dir, "LATEST"))
-    old = sorted(d for d in os.listdir(self.dir) if d.startswith("v") and d[1:].isdigit())
-    for name in old[:-self.keep]:
-      shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+    older = [v for v in _versions(self.dir) if v <= version]
+    for v in older[:-self.keep]:
+      shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
 
   def publish(self, version: int, params) -> None:
     """One process holding every shard: write and commit."""
@@ -108,6 +119,8 @@ class WeightSubscriber:
     except FileNotFoundError:  # already pruned: a newer one is coming
       return None
     short = [k for k, leaf in enumerate(leaves) if filled[k] != leaf.size]
+    if short and self.latest_version() != v:
+      return None  # pruned while it was read: a newer one is there
     if short:
       raise RuntimeError(f"weights v{v}: leaves {short[:5]} are not fully covered by the "
                          f"parts in {folder}")
