@@ -44,6 +44,7 @@ class StepFunctions:
     self.graphdef, self.shardings, self.tx, self.loss = graphdef, shardings, tx, loss
     self.mesh, self.rules, self.forward, self.objective = mesh, rules, forward, objective
     self._jitted = {}
+    self._sum_shapes = {}  # batch shapes -> the metric sums' shapes
     repl = replicated(mesh)
     self._grad_sh = shardings.params
     self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g),
@@ -106,12 +107,12 @@ class StepFunctions:
 
   def zero_sums(self, state: TrainState, batch: dict):
     """Device zeros shaped like one micro-batch's metric sums."""
-    key = ("sums", tuple(sorted((k, v.shape) for k, v in batch.items())))
-    if key not in self._jitted:
-      self._jitted[key] = jax.eval_shape(
+    key = tuple(sorted((k, v.shape) for k, v in batch.items()))
+    if key not in self._sum_shapes:
+      self._sum_shapes[key] = jax.eval_shape(
           lambda st, b: self._micro(st.params, b, jnp.float32(1))[1], state, batch)
     repl = replicated(self.mesh)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=repl), self._jitted[key])
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=repl), self._sum_shapes[key])
 
   def micro_step(self, state: TrainState, acc, sums, batch: dict, total_tokens):
     """Adds one micro-batch's gradients into `acc` and its metric sums into `sums`
