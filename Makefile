@@ -3,6 +3,7 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.installed-test
 # Real sharding on CPU: 8 host devices in every test process.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
 
@@ -23,7 +24,12 @@ run: install
 store-demo: install
 	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
 
-test: install
+# Test-only packages (torch CPU, transformers) for the checkpoint parity tests.
+$(TEST_STAMP): $(STAMP) requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
+	touch $(TEST_STAMP)
+
+test: install $(TEST_STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q tests
 
 bench: install

@@ -45,7 +45,7 @@ def main():
   try:
     worker_main(w, os.path.abspath(args.workdir), store_url, job["seed"], job["n"],
                 job["model_config"], job["sampler_config"], requests, reports, stop,
-                suite=job["suite"], vit_config=job["vit_config"])
+                suite=job["suite"], vit_config=job["vit_config"], math=job.get("math"))
   except (OSError, EOFError) as e:  # the controller went away mid-call
     print(f"rollout worker {w}: the job is gone ({e.__class__.__name__}); exiting", flush=True)
   finally:

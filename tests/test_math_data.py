@@ -86,3 +86,24 @@ def test_math_reward():
   assert math_reward("the total is 29", "29") == 0.0  # no final answer: format fails
   with pytest.raises(ValueError, match="answer 'many' is not a number"):
     math_reward(r"\boxed{3}", "many")
+
+
+def test_math_suite_scores_decoded_responses(tmp_path):
+  from hf_helpers import make_tokenizer
+  from knittrans_jax.rollout.math_tasks import SHIPPED, MathTaskConfig, MathTasks
+  prompts = load_prompts(SHIPPED)
+  make_tokenizer(str(tmp_path), [p.prompt for p in prompts])
+  suite = MathTasks(MathTaskConfig(prompt_len=200), str(tmp_path), seed=3)
+  task = suite.task(7, "mul")
+  again = MathTasks(MathTaskConfig(prompt_len=200), str(tmp_path), seed=3).task(7, "mul")
+  assert task.answer == again.answer and (task.prompt == again.prompt).all()
+  tok = suite.tokenizer
+  right = tok.encode(f"so \\boxed{{{task.answer['answer']}}}") + [tok.stop_ids[0]]
+  wrong = tok.encode("so \\boxed{-1}")
+  after_stop = [tok.stop_ids[0]] + tok.encode(f"\\boxed{{{task.answer['answer']}}}")
+  assert suite.score(task, right) == 1.0
+  assert suite.score(task, wrong) == pytest.approx(0.1)
+  assert suite.score(task, after_stop) == 0.0  # text after the stop token is not the answer
+  with pytest.raises(ValueError, match=r"prompt 'arith-.*' is \d+ tokens with the chat "
+                                       r"template; MathTaskConfig.prompt_len = 8"):
+    MathTasks(MathTaskConfig(prompt_len=8), str(tmp_path)).check_lengths()

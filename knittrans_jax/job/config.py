@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import gin
 
@@ -16,7 +17,12 @@ class JobConfig:
   window: groups dispatched but not yet trained (default 2G, one-step-off).
   micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
   seq_len: static sequence length of a train batch (prompt + response).
-  suite: 'text' (a decoder on text tasks) or 'vision' (a VLM on generated images).
+  suite: 'text' (a decoder on text tasks), 'vision' (a VLM on generated images) or
+    'math' (a prompt data set through the checkpoint's tokenizer and chat template,
+    scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig).
+  checkpoint: a Hugging Face decoder directory (models/hf.py) the policy starts
+    from; its config.json sets the architecture, DecoderConfig's dtype, param_dtype,
+    remat and attention still apply. None: DecoderConfig, randomly initialised.
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
   control_address: HOST:PORT where the controller serves rollout workers on other
@@ -47,6 +53,7 @@ class JobConfig:
   consumers: int | None = None
   control_address: str | None = None
   stall_timeout_s: float = 600.0
+  checkpoint: str | None = None
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -60,8 +67,15 @@ class JobConfig:
                        f"n = {spec.group_size})")
     if self.data_path not in ("ondemand", "centralized"):
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
-    if self.suite not in ("text", "vision"):
-      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text' or 'vision'")
+    if self.suite not in ("text", "vision", "math"):
+      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision' or 'math'")
+    if self.checkpoint is not None and not os.path.isfile(
+        os.path.join(self.checkpoint, "config.json")):
+      raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} is not a Hugging Face "
+                       "checkpoint directory (no config.json)")
+    if self.checkpoint is not None and self.suite == "vision":
+      raise ValueError("JobConfig.checkpoint: the 'vision' suite trains the tiny VLM; "
+                       "Hugging Face decoders run the 'text' and 'math' suites")
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")

@@ -21,6 +21,7 @@ runs the controller and makes each trainer call on all of them
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import signal
@@ -44,13 +45,15 @@ from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Traine
 from knittrans_jax.job.trainer_group import TrainerGroup, follow
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.job.workers import ColocatedPool, WorkerPool
-from knittrans_jax.models import DecoderConfig, ViTConfig
+from knittrans_jax.models import DecoderConfig, ViTConfig, hf
 from knittrans_jax.models.vlm import make_model
 from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, check_deterministic,
                                       naive_vlm_forward)
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
-from knittrans_jax.rollout.groups import rollout_groups, suite_prompt_len, suite_sources
+from knittrans_jax.rollout.groups import (MathSource, rollout_groups, suite_prompt_len,
+                                         suite_sources)
+from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.sim.workload import PromptStream
@@ -62,6 +65,16 @@ from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, Opt
 from knittrans_jax.train.batch import rows_multiple
 from knittrans_jax.train.mesh import logical_sharding
 from knittrans_jax.train.step import text_forward
+
+
+def model_config(cfg: JobConfig) -> DecoderConfig:
+  """The policy's config: gin's DecoderConfig, or with JobConfig.checkpoint its
+  config.json's architecture under gin's dtype, param_dtype, remat and attention."""
+  d = DecoderConfig()
+  if not cfg.checkpoint:
+    return d
+  return hf.config_from_hf(hf.read_config(cfg.checkpoint), dtype=d.dtype,
+                           param_dtype=d.param_dtype, remat=d.remat, attention=d.attention)
 
 
 class Job:
@@ -77,10 +90,21 @@ class Job:
     self.controller_process = self.process == 0
     self.consumers = consumers or cfg.consumers or self.processes
     self._check_processes()
-    self.model_cfg, self.sampler_cfg, self.loss_cfg = DecoderConfig(), SamplerConfig(), LossConfig()
+    self.model_cfg, self.sampler_cfg, self.loss_cfg = model_config(cfg), SamplerConfig(), LossConfig()
     self.vision = cfg.suite == "vision"
     self.vit_cfg = ViTConfig() if self.vision else None
-    self.sources = suite_sources(cfg.suite)
+    self.math = None
+    if cfg.suite == "math":
+      mcfg = MathTaskConfig()
+      tok_dir = mcfg.tokenizer or cfg.checkpoint
+      if tok_dir is None:
+        raise ValueError("JobConfig.suite = 'math' needs a tokenizer: set JobConfig.checkpoint "
+                         "or MathTaskConfig.tokenizer")
+      self.math = MathSource(mcfg, tok_dir, cfg.seed)
+      # The checkpoint's EOS and stop tokens end each response.
+      self.sampler_cfg = dataclasses.replace(
+          self.sampler_cfg, stop_tokens=self.math.suite().tokenizer.stop_ids)
+    self.sources = suite_sources(cfg.suite, self.math)
     self._check_model_and_tasks()
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
     if not resume and (self.ckpt.latest_step() is not None
@@ -91,7 +115,7 @@ class Job:
     barrier("knittrans_checked")  # every process looked before process 0 creates the store
     if self.controller_process:
       self.store = TrajectoryStore.create(self.store_url, StoreSchema(
-          sources=self.sources, max_prompt_len=suite_prompt_len(cfg.suite),
+          sources=self.sources, max_prompt_len=suite_prompt_len(cfg.suite, self.math),
           max_response_len=self.sampler_cfg.max_new_tokens))
     barrier("knittrans_store_created")
     if not self.controller_process:
@@ -128,10 +152,13 @@ class Job:
                        f"{cfg.micro_batch_size}")
 
   def _check_model_and_tasks(self) -> None:
-    cfg, prompt_len = self.cfg, suite_prompt_len(self.cfg.suite)
-    if self.model_cfg.vocab_size < tasks.VOCAB_SIZE:
+    cfg, prompt_len = self.cfg, suite_prompt_len(self.cfg.suite, self.math)
+    vocab = self.math.suite().tokenizer.vocab_size if self.math else tasks.VOCAB_SIZE
+    if self.model_cfg.vocab_size < vocab:
       raise ValueError(f"DecoderConfig.vocab_size = {self.model_cfg.vocab_size} < the tasks' "
-                       f"vocabulary {tasks.VOCAB_SIZE}")
+                       f"vocabulary {vocab}")
+    if self.math:
+      self.math.suite().check_lengths()  # an over-long prompt is an error now, not mid-run
     if cfg.seq_len < prompt_len + self.sampler_cfg.max_new_tokens:
       raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {prompt_len} + "
                        f"max_new_tokens {self.sampler_cfg.max_new_tokens}")
@@ -162,8 +189,14 @@ class Job:
     mesh_cfg = MeshConfig()
     self.mesh, self.rules = make_mesh(mesh_cfg), mesh_cfg.rules
     tx = make_optimizer(OptimizerConfig())
+    params = None
+    if cfg.checkpoint and not (resume and self.ckpt.latest_step() is not None):
+      m = self.model_cfg
+      model, _ = hf.load(cfg.checkpoint, m.dtype, mesh=self.mesh, rules=self.rules,
+                         param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+      params = nnx.state(model, nnx.Param)
     graphdef, state, shardings = init_train_state(self._model_fn, tx, self.mesh, self.rules,
-                                                  cfg.seed)
+                                                  cfg.seed, params=params)
     self.graphdef = graphdef
     fns = StepFunctions(graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules,
                         forward=naive_vlm_forward() if self.vision else text_forward)
@@ -219,14 +252,14 @@ class Job:
       image_size = self.vit_cfg.image_size if self.vision else 0
       generate = lambda requests: rollout_groups(  # noqa: E731  (the current weights)
           self.graphdef, self.trainer.state.params, self.trainer.version, cfg.seed, requests,
-          cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size)
+          cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size, self.math)
       return ColocatedPool(generate, self.store.writer("colocated"))
     return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
                       control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
                       worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,
-                                       vit_config=self.vit_cfg))
+                                       vit_config=self.vit_cfg, math=self.math))
 
   # -- the loop ---------------------------------------------------------------------------
   def run(self) -> dict:

@@ -55,7 +55,7 @@ class WorkerPool:
     p = self._ctx.Process(target=worker_main, daemon=True, args=(
         w, self.workdir, self.store_url, a["seed"], a["n"], a["model_config"],
         a["sampler_config"], self.requests[w], self.reports, self.stop),
-        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"]))
+        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"], math=a.get("math")))
     p.start()
     self.procs[w] = p
 

@@ -1,19 +1,37 @@
-"""A small decoder-only transformer (RoPE, RMSNorm, causal attention with padding)."""
+"""The decoder-only transformer: the tiny default and the Qwen2/2.5, Qwen3 and Llama 3
+families in one config (GQA, q/k/v bias, per-head q/k norm, tied embeddings, Llama 3
+RoPE scaling). Real checkpoints load through knittrans_jax/models/hf.py."""
 from __future__ import annotations
 
 import dataclasses
 
 import gin
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knittrans_jax.models.layers import wide, Block, RMSNorm, _normal, dense
+from knittrans_jax.models.layers import ATTENTION_IMPLS, Block, RMSNorm, Rope, _normal, dense, wide
+
+FAMILIES = ("toy", "qwen2", "qwen3", "llama")
+ROPE_TYPES = ("default", "llama3")
+# jax.checkpoint policies for decoder blocks: what the backward pass may keep.
+REMAT_POLICIES = {
+    "none": None,  # no rematerialisation: every activation kept
+    "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
+}
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-  """Defaults run a training step on this CPU in well under a second."""
+  """Defaults run a training step on this CPU in well under a second.
+
+  `dtype` is the activation (compute) dtype, `param_dtype` the stored parameters'.
+  `kv_heads` 0 means as many as `heads`; `head_dim` 0 means width // heads.
+  `family` names the Hugging Face format `hf.save` writes ('toy' is written as Llama).
+  """
   vocab_size: int = 256
   width: int = 128
   depth: int = 2
@@ -21,13 +39,61 @@ class DecoderConfig:
   mlp_width: int = 384
   rope_theta: float = 10000.0
   dtype: str = "float32"
+  kv_heads: int = 0
+  head_dim: int = 0
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  norm_eps: float = 1e-6
+  rope_type: str = "default"
+  rope_factor: float = 1.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_positions: int = 8192
+  max_positions: int = 4096
+  param_dtype: str = "float32"
+  remat: str = "none"
+  attention: str = "einsum"
+  family: str = "toy"
 
   def __post_init__(self):
-    for name in ("vocab_size", "width", "depth", "heads", "mlp_width"):
+    for name in ("vocab_size", "width", "depth", "heads", "mlp_width", "max_positions"):
       if getattr(self, name) <= 0:
         raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)} must be positive")
-    if self.width % self.heads or (self.width // self.heads) % 2:
-      raise ValueError(f"DecoderConfig: width {self.width} / heads {self.heads} must be an even int")
+    if not self.head_dim and self.width % self.heads:
+      raise ValueError(f"DecoderConfig: width {self.width} is not divisible by heads {self.heads}"
+                       " (or set head_dim)")
+    if self.dim_per_head % 2:
+      raise ValueError(f"DecoderConfig: head dim {self.dim_per_head} must be even for RoPE")
+    if self.kv_heads < 0 or self.heads % self.num_kv_heads:
+      raise ValueError(f"DecoderConfig: heads {self.heads} is not a multiple of kv_heads "
+                       f"{self.kv_heads}")
+    for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("remat", REMAT_POLICIES),
+                          ("attention", ATTENTION_IMPLS), ("family", FAMILIES),
+                          ("rope_type", ROPE_TYPES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)!r} is not one of "
+                         f"{tuple(allowed)}")
+    if self.rope_type == "llama3" and not (self.rope_factor > 0 and
+                                          self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
+      raise ValueError(f"DecoderConfig: llama3 RoPE needs factor > 0 and high_freq_factor "
+                       f"{self.rope_high_freq_factor} > low_freq_factor {self.rope_low_freq_factor} > 0")
+
+  @property
+  def num_kv_heads(self) -> int:
+    return self.kv_heads or self.heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.width // self.heads
+
+  @property
+  def rope(self) -> Rope:
+    scaling = None
+    if self.rope_type == "llama3":
+      scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+                 self.rope_original_max_positions)
+    return Rope(self.rope_theta, scaling)
 
 
 class DecoderLM(nnx.Module):
@@ -40,14 +106,37 @@ class DecoderLM(nnx.Module):
 
   def __init__(self, config: DecoderConfig, rngs: nnx.Rngs):
     self.config = config
-    dt = jnp.dtype(config.dtype)
-    self.embed = nnx.Embed(config.vocab_size, config.width, dtype=dt,
+    dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    self.embed = nnx.Embed(config.vocab_size, config.width, dtype=dt, param_dtype=pdt,
                            embedding_init=nnx.with_partitioning(_normal, ("vocab", "embed")),
                            rngs=rngs)
-    self.blocks = nnx.List([Block(config.width, config.heads, config.mlp_width, rngs, dt,
-                                  config.rope_theta) for _ in range(config.depth)])
-    self.norm = RMSNorm(config.width)
-    self.head = dense(rngs, config.width, config.vocab_size, ("embed", "vocab"), dt)
+    self.blocks = nnx.List([
+        Block(config.width, config.heads, config.mlp_width, rngs, dt, config.rope,
+              norm_eps=config.norm_eps, param_dtype=pdt, kv_heads=config.num_kv_heads,
+              head_dim=config.dim_per_head, qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
+              impl=config.attention)
+        for _ in range(config.depth)])
+    self.norm = RMSNorm(config.width, config.norm_eps, param_dtype=pdt)
+    self.head = (None if config.tie_embeddings else
+                 dense(rngs, config.width, config.vocab_size, ("embed", "vocab"), dt,
+                       param_dtype=pdt))
+
+  def _logits(self, x):
+    x = self.norm(x)
+    out = self.embed.attend(x) if self.head is None else self.head(x)
+    return out.astype(wide(x.dtype))
+
+  def _run_blocks(self, x, mask, positions):
+    policy = REMAT_POLICIES[self.config.remat]
+    if self.config.remat == "none":
+      for block in self.blocks:
+        x, _ = block(x, mask, positions)
+      return x
+    # Rematerialise each block: the backward pass recomputes what `policy` drops.
+    run = nnx.remat(lambda blk, h: blk(h, mask, positions)[0], policy=policy)
+    for block in self.blocks:
+      x = run(block, x)
+    return x
 
   def __call__(self, tokens, attention_mask, prefix=None, prefix_mask=None):
     x = self.embed(tokens)
@@ -64,9 +153,8 @@ class DecoderLM(nnx.Module):
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = causal[None] & valid[:, None, :]
     positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    for block in self.blocks:
-      x, _ = block(x, mask, positions)
-    return self.head(self.norm(x[:, P:])).astype(wide(x.dtype))
+    x = self._run_blocks(x, mask, positions)
+    return self._logits(x[:, P:])
 
   # -- incremental decoding (the rollout sampler) -----------------------------
   def prefill(self, tokens, valid, capacity: int, prefix=None):
@@ -85,7 +173,7 @@ class DecoderLM(nnx.Module):
       x, (k, v) = block(x, mask, positions)
       pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
       caches.append((jnp.pad(k, pad), jnp.pad(v, pad)))
-    return self.head(self.norm(x[:, -1:]))[:, 0].astype(wide(x.dtype)), caches
+    return self._logits(x[:, -1:])[:, 0], caches
 
   def decode_step(self, token, position, caches, index, key_valid):
     """One token per row at cache slot `index`; `key_valid` [B, S] marks filled slots."""
@@ -95,4 +183,4 @@ class DecoderLM(nnx.Module):
     for block, cache in zip(self.blocks, caches):
       x, kv = block(x, mask, position[:, None], cache, index)
       new.append(kv)
-    return self.head(self.norm(x))[:, 0].astype(wide(x.dtype)), new
+    return self._logits(x)[:, 0], new

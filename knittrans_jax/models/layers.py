@@ -1,12 +1,17 @@
 """Transformer building blocks (Flax NNX). Every parameter carries logical axis names.
 
 Logical axes: 'vocab', 'embed' (model width), 'heads' (attention heads x head dim),
-'mlp' (feed-forward width), 'patch' (flattened image patch). Mesh layouts map them
+'mlp' (feed-forward width), 'patch' (flattened image patch), 'head_dim' (one
+head's width: q/k norm scales, left replicated by every layout). Mesh layouts map them
 to mesh axes (configs/mesh/*.gin, knittrans_jax/train/mesh.py).
 """
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
@@ -18,15 +23,20 @@ def wide(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype) -> nnx.Linear:
-  return nnx.Linear(din, dout, use_bias=False, dtype=dtype,
-                    kernel_init=nnx.with_partitioning(_normal, axes), rngs=rngs)
+def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype,
+          bias: bool = False, param_dtype=jnp.float32) -> nnx.Linear:
+  return nnx.Linear(din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+                    kernel_init=nnx.with_partitioning(_normal, axes),
+                    bias_init=nnx.with_partitioning(nnx.initializers.zeros, axes[1:]),
+                    rngs=rngs)
 
 
 class RMSNorm(nnx.Module):
-  def __init__(self, dim: int, eps: float = 1e-6):
-    self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, ("embed",))(
-        jax.random.key(0), (dim,)))
+  """Normalises in float32 (as the Hugging Face models do), then scales."""
+
+  def __init__(self, dim: int, eps: float = 1e-6, axis: str = "embed", param_dtype=jnp.float32):
+    self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (axis,))(
+        jax.random.key(0), (dim,), param_dtype))
     self.eps = eps
 
   def __call__(self, x):
@@ -35,49 +45,105 @@ class RMSNorm(nnx.Module):
     return (y * self.scale[...]).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary position embedding on [B, T, H, D] at integer positions [B, T]."""
-  d = x.shape[-1]
+@dataclasses.dataclass(frozen=True)
+class Rope:
+  """Rotary embedding settings; `llama3` is Llama 3.1's frequency rescaling as
+  (factor, low_freq_factor, high_freq_factor, original_max_positions)."""
+  theta: float = 10000.0
+  llama3: tuple[float, float, float, int] | None = None
+
+  def inv_freq(self, head_dim: int) -> np.ndarray:
+    # float32 like transformers, so loaded checkpoints match it to rounding.
+    inv = (1.0 / (self.theta ** (np.arange(0, head_dim, 2, dtype=np.int64)
+                                 .astype(np.float32) / head_dim))).astype(np.float32)
+    if self.llama3 is None:
+      return inv
+    factor, low, high, old_len = self.llama3
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_len / low, inv / factor, inv)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) & ~(wavelen > old_len / low)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+  """Rotary position embedding on [B, T, H, D] at integer positions [B, T]; the
+  rotated pairs are (i, i + D/2), the Hugging Face (GPT-NeoX) convention."""
   dt = wide(x.dtype)
-  freqs = theta ** (-jnp.arange(0, d, 2, dtype=dt) / d)
-  angle = positions[..., None].astype(dt) * freqs  # [B, T, D/2]
-  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
-  x1, x2 = x[..., 0::2].astype(dt), x[..., 1::2].astype(dt)
-  out = jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1)
-  return out.reshape(x.shape).astype(x.dtype)
+  angle = positions[..., None].astype(dt) * jnp.asarray(inv_freq, dt)  # [B, T, D/2]
+  angle = jnp.concatenate([angle, angle], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angle), jnp.sin(angle)
+  xw = x.astype(dt)
+  half = x.shape[-1] // 2
+  rotated = jnp.concatenate([-xw[..., half:], xw[..., :half]], axis=-1)
+  return (xw * cos + rotated * sin).astype(x.dtype)
+
+
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto")
 
 
 class Attention(nnx.Module):
-  """Multi-head attention; `mask` [B, Tq, Tk] is True where attending is allowed."""
+  """Multi-head attention with grouped-query heads (`kv_heads` <= `heads`), optional
+  q/k/v bias and per-head q/k RMSNorm; `mask` [B, Tq, Tk] is True where attending is
+  allowed. `impl` 'einsum' is written out here; 'xla', 'cudnn' and 'auto' go through
+  jax.nn.dot_product_attention ('auto' lets JAX pick a fused kernel on GPU)."""
 
-  def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, dtype, rope_theta: float | None):
-    if dim % heads:
+  def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, dtype, rope: Rope | None, *,
+               kv_heads: int | None = None, head_dim: int | None = None, qkv_bias: bool = False,
+               qk_norm: bool = False, norm_eps: float = 1e-6, impl: str = "einsum",
+               param_dtype=jnp.float32):
+    if not head_dim and dim % heads:
       raise ValueError(f"width {dim} is not divisible by {heads} heads")
-    self.heads, self.head_dim, self.rope_theta = heads, dim // heads, rope_theta
-    self.q = dense(rngs, dim, dim, ("embed", "heads"), dtype)
-    self.k = dense(rngs, dim, dim, ("embed", "heads"), dtype)
-    self.v = dense(rngs, dim, dim, ("embed", "heads"), dtype)
-    self.o = dense(rngs, dim, dim, ("heads", "embed"), dtype)
+    head_dim = head_dim or dim // heads
+    kv_heads = kv_heads or heads
+    if heads % kv_heads:
+      raise ValueError(f"{heads} query heads are not a multiple of {kv_heads} key/value heads")
+    if impl not in ATTENTION_IMPLS:
+      raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
+    self.heads, self.kv_heads, self.head_dim, self.impl = heads, kv_heads, head_dim, impl
+    self.inv_freq = None if rope is None else tuple(rope.inv_freq(head_dim).tolist())
+    kw = dict(param_dtype=param_dtype)
+    self.q = dense(rngs, dim, heads * head_dim, ("embed", "heads"), dtype, qkv_bias, **kw)
+    self.k = dense(rngs, dim, kv_heads * head_dim, ("embed", "heads"), dtype, qkv_bias, **kw)
+    self.v = dense(rngs, dim, kv_heads * head_dim, ("embed", "heads"), dtype, qkv_bias, **kw)
+    self.o = dense(rngs, heads * head_dim, dim, ("heads", "embed"), dtype, **kw)
+    if qk_norm:
+      self.q_norm = RMSNorm(head_dim, norm_eps, "head_dim", param_dtype)
+      self.k_norm = RMSNorm(head_dim, norm_eps, "head_dim", param_dtype)
+    else:
+      self.q_norm = self.k_norm = None
 
   def _qkv(self, x, positions):
     B, T, _ = x.shape
-    split = lambda y: y.reshape(B, T, self.heads, self.head_dim)
-    q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-    if self.rope_theta is not None:
-      q, k = rope(q, positions, self.rope_theta), rope(k, positions, self.rope_theta)
+    q = self.q(x).reshape(B, T, self.heads, self.head_dim)
+    k = self.k(x).reshape(B, T, self.kv_heads, self.head_dim)
+    v = self.v(x).reshape(B, T, self.kv_heads, self.head_dim)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    if self.inv_freq is not None:
+      inv = np.asarray(self.inv_freq, np.float32)
+      q, k = rope(q, positions, inv), rope(k, positions, inv)
     return q, k, v
 
   def _attend(self, q, k, v, mask):
+    B, T = q.shape[:2]
+    if self.impl != "einsum":
+      out = jax.nn.dot_product_attention(
+          q, k, v, mask=mask[:, None], implementation=None if self.impl == "auto" else self.impl)
+      return self.o(out.reshape(B, T, -1))
     dt = wide(q.dtype)
-    scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
-    scores = jnp.where(mask[:, None], scores, jnp.finfo(dt).min)
+    g = self.heads // self.kv_heads
+    qg = q.reshape(B, T, self.kv_heads, g, self.head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
+    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(dt).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
-    return self.o(out.reshape(out.shape[0], out.shape[1], -1))
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    return self.o(out.reshape(B, T, -1))
 
   def __call__(self, x, mask, positions=None, cache=None, index=None):
-    """Full attention; with `cache` (k, v of [B, S, H, D]) the new keys and values
-    are written at `index` and the queries attend over the cache (decoding)."""
+    """Full attention; with `cache` (k, v of [B, S, kv_heads, D]) the new keys and
+    values are written at `index` and the queries attend over the cache (decoding)."""
     q, k, v = self._qkv(x, positions)
     if cache is None:
       return self._attend(q, k, v, mask), (k, v)
@@ -89,21 +155,26 @@ class Attention(nnx.Module):
 class MLP(nnx.Module):
   """SwiGLU feed-forward."""
 
-  def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype):
-    self.gate = dense(rngs, dim, hidden, ("embed", "mlp"), dtype)
-    self.up = dense(rngs, dim, hidden, ("embed", "mlp"), dtype)
-    self.down = dense(rngs, hidden, dim, ("mlp", "embed"), dtype)
+  def __init__(self, dim: int, hidden: int, rngs: nnx.Rngs, dtype, param_dtype=jnp.float32):
+    self.gate = dense(rngs, dim, hidden, ("embed", "mlp"), dtype, param_dtype=param_dtype)
+    self.up = dense(rngs, dim, hidden, ("embed", "mlp"), dtype, param_dtype=param_dtype)
+    self.down = dense(rngs, hidden, dim, ("mlp", "embed"), dtype, param_dtype=param_dtype)
 
   def __call__(self, x):
     return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
 
 
 class Block(nnx.Module):
+  """Pre-norm block; `attn` holds the Attention keyword arguments (GQA, bias, q/k norm)."""
+
   def __init__(self, dim: int, heads: int, hidden: int, rngs: nnx.Rngs, dtype,
-               rope_theta: float | None, dropout: float = 0.0):
-    self.norm1, self.norm2 = RMSNorm(dim), RMSNorm(dim)
-    self.attn = Attention(dim, heads, rngs, dtype, rope_theta)
-    self.mlp = MLP(dim, hidden, rngs, dtype)
+               rope: Rope | None, dropout: float = 0.0, norm_eps: float = 1e-6,
+               param_dtype=jnp.float32, **attn):
+    self.norm1 = RMSNorm(dim, norm_eps, param_dtype=param_dtype)
+    self.norm2 = RMSNorm(dim, norm_eps, param_dtype=param_dtype)
+    self.attn = Attention(dim, heads, rngs, dtype, rope, norm_eps=norm_eps,
+                          param_dtype=param_dtype, **attn)
+    self.mlp = MLP(dim, hidden, rngs, dtype, param_dtype)
     self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout else None
 
   def __call__(self, x, mask, positions=None, cache=None, index=None):

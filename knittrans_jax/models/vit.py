@@ -55,7 +55,7 @@ class ViTEncoder(nnx.Module):
     self.pos = nnx.Param(nnx.with_partitioning(_normal, (None, "embed"))(
         rngs.params(), (config.num_patches, config.width)))
     self.blocks = nnx.List([Block(config.width, config.heads, config.mlp_width, rngs, dt,
-                                  rope_theta=None, dropout=config.dropout)
+                                  rope=None, dropout=config.dropout)
                             for _ in range(config.depth)])
     self.norm = RMSNorm(config.width)
 

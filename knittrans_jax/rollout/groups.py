@@ -1,8 +1,10 @@
 """One GRPO group: a task from its seed, n sampled responses, scored trajectories.
 
-Two task suites: 'text' (rollout/tasks.py) and 'vision' (rollout/vision_tasks.py,
+Three task suites: 'text' (rollout/tasks.py), 'vision' (rollout/vision_tasks.py,
 one generated image per prompt, shared by the group's n responses: the sampler
-encodes it once and the group stores it once).
+encodes it once and the group stores it once) and 'math' (rollout/math_tasks.py: a
+prompt data set through a real tokenizer, the verifiable math reward). The math
+suite needs its `MathSource` (config, tokenizer directory), passed as `math`.
 """
 from __future__ import annotations
 
@@ -11,33 +13,53 @@ import dataclasses
 import jax
 import numpy as np
 
-from knittrans_jax.rollout import tasks, vision_tasks
+from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 from knittrans_jax.storage import image_id
 from knittrans_jax.types import Trajectory
 
 PROMPT_LEN = 5  # the longest text prompt; prompts are left-padded to it
-SUITES = ("text", "vision")
+SUITES = ("text", "vision", "math")
 
 
-def suite_sources(suite: str) -> tuple[str, ...]:
-  return {"text": tasks.SOURCES, "vision": vision_tasks.SOURCES}[_check(suite)]
+@dataclasses.dataclass(frozen=True)
+class MathSource:
+  """What a process needs to build the math suite (picklable, sent to workers)."""
+  config: math_tasks.MathTaskConfig
+  tokenizer_dir: str
+  seed: int = 0
+
+  def suite(self) -> math_tasks.MathTasks:
+    return math_tasks.suite_for(self.config, self.tokenizer_dir, self.seed)
 
 
-def suite_prompt_len(suite: str) -> int:
-  return {"text": PROMPT_LEN, "vision": vision_tasks.PROMPT_LEN}[_check(suite)]
+def suite_sources(suite: str, math: MathSource | None = None) -> tuple[str, ...]:
+  if _check(suite, math) == "math":
+    return math.suite().sources
+  return {"text": tasks.SOURCES, "vision": vision_tasks.SOURCES}[suite]
 
 
-def _check(suite: str) -> str:
+def suite_prompt_len(suite: str, math: MathSource | None = None) -> int:
+  if _check(suite, math) == "math":
+    return math.config.prompt_len
+  return {"text": PROMPT_LEN, "vision": vision_tasks.PROMPT_LEN}[suite]
+
+
+def _check(suite: str, math: MathSource | None = None) -> str:
   if suite not in SUITES:
     raise ValueError(f"task suite {suite!r} is unknown; use one of {SUITES}")
+  if suite == "math" and math is None:
+    raise ValueError("the 'math' suite needs its MathSource (prompt file and tokenizer)")
   return suite
 
 
-def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_size: int = 32):
+def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_size: int = 32,
+             math: MathSource | None = None):
   """The task of a group is a pure function of (seed, group id, source)."""
+  if _check(suite, math) == "math":
+    return math.suite().task(group_id, source)
   rng = np.random.default_rng([seed, group_id])
-  if _check(suite) == "vision":
+  if suite == "vision":
     return vision_tasks.make_task(rng, source, image_size)
   return tasks.make_task(rng, source)
 
@@ -50,21 +72,21 @@ class RolledGroup:
 
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
                    n: int, sampler: SamplerConfig, suite: str = "text",
-                   image_size: int = 32) -> list[RolledGroup]:
+                   image_size: int = 32, math: MathSource | None = None) -> list[RolledGroup]:
   """Generates n responses for each (group id, source) in one sampler call.
 
   The sampling key depends on the seed and the first group id only, so a run is
   reproducible for a given assignment of groups to calls.
   """
-  task_list = [task_for(seed, gid, source, suite, image_size) for gid, source in requests]
+  task_list = [task_for(seed, gid, source, suite, image_size, math) for gid, source in requests]
   prompts = [t.prompt for t in task_list for _ in range(n)]
   rng = jax.random.fold_in(jax.random.key(seed), requests[0][0])
-  score = vision_tasks.score if suite == "vision" else tasks.score
+  score = {"vision": vision_tasks.score, "text": tasks.score}.get(suite) or math.suite().score
   extra = {}
   if suite == "vision":
     extra = dict(images=np.stack([t.image for t in task_list]),
                  image_index=np.repeat(np.arange(len(task_list)), n))
-  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=suite_prompt_len(suite),
+  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=suite_prompt_len(suite, math),
                   **extra)
   groups = []
   for k, ((gid, source), task) in enumerate(zip(requests, task_list)):

@@ -31,6 +31,7 @@ class SamplerConfig:
   temperature: float = 1.0
   top_p: float = 1.0
   stop_tokens: tuple[int, ...] = (1,)
+  greedy: bool = False  # argmax decoding (evaluation, parity checks); log-probs at temperature
 
   def __post_init__(self):
     if self.temperature <= 0 or not 0 < self.top_p <= 1:
@@ -63,14 +64,17 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
   key_valid = jnp.concatenate([jnp.ones((B, Q), bool), valid, jnp.zeros((B, N), bool)], axis=1)
   start = Q + valid.sum(axis=1).astype(jnp.int32)
   P = Q + P  # decode slots follow the prefix and the prompt
-  stops = jnp.asarray(config.stop_tokens, jnp.int32)
+  stops = jnp.asarray(config.stop_tokens, jnp.int32).reshape(-1)
 
   def body(carry, t):
     logits, caches, key_valid, done, rng = carry
     rng, sub = jax.random.split(rng)
     scaled = logits / config.temperature
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
-    token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
+    if config.greedy:
+      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    else:
+      token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
     live = ~done
     token = jnp.where(live, token, 0)

@@ -15,7 +15,8 @@ import traceback
 
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
-                max_groups_per_call: int = 4, suite: str = "text", vit_config=None) -> None:
+                max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
+                math=None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = ""  # one device per worker
@@ -60,7 +61,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
         raise RuntimeError("no published weights to generate with")
       image_size = vit_config.image_size if vit_config is not None else 0
       for group in rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
-                                  suite, image_size):
+                                  suite, image_size, math):
         # The group's image is stored once, however many responses share it.
         metas = writer.append(group.trajectories, images=group.images)  # committed, then reported
         reports.put(("done", worker_id, group.trajectories[0].group_id, metas))

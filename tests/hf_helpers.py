@@ -1,0 +1,103 @@
+"""Tiny random Hugging Face checkpoints of each supported family, made with
+transformers on PyTorch CPU (test-only dependencies, requirements-test.txt)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import transformers
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-6)
+FAMILIES = {
+    # Qwen2.5: GQA, q/k/v bias, tied embeddings.
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
+              dict(rope_theta=1000000.0, tie_word_embeddings=True)),
+    # Qwen3: per-head q/k RMSNorm, explicit head_dim != hidden / heads, untied.
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
+              dict(head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)),
+    # Llama 3.2: llama3 RoPE scaling (a small original length so it bites), tied.
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
+              dict(rope_theta=500000.0, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 32})),
+}
+
+
+def make_checkpoint(family: str, path: str, seed: int = 0, dtype=torch.float32, **overrides):
+  """Saves a random model of `family` to `path`; returns the torch model (eval mode)."""
+  cfg_cls, model_cls, extra = FAMILIES[family]
+  torch.manual_seed(seed)
+  model = model_cls(cfg_cls(**{**COMMON, **extra, **overrides})).eval()
+  with torch.no_grad():  # random norms and biases too, so a mapping mistake shows
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      elif name.endswith(".bias"):
+        p.copy_(0.1 * torch.randn_like(p))
+  model = model.to(dtype)
+  model.save_pretrained(path)
+  return model
+
+
+def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+  """Logits with the positions our decoder uses: real tokens counted from 0."""
+  positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+  with torch.no_grad():
+    out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)),
+                attention_mask=torch.from_numpy(mask.astype(np.int64)),
+                position_ids=torch.from_numpy(positions.astype(np.int64)))
+  return out.logits.float().numpy()
+
+
+def padded_batch(seed: int = 0, vocab: int = 96):
+  """Two rows left-padded and two right-padded, of different lengths."""
+  rng = np.random.default_rng(seed)
+  T = 12
+  tokens = rng.integers(2, vocab, size=(4, T)).astype(np.int32)
+  mask = np.zeros((4, T), np.int32)
+  mask[0, 3:] = 1   # left padding
+  mask[1, 7:] = 1
+  mask[2, :9] = 1   # right padding
+  mask[3, :T] = 1
+  tokens = np.where(mask.astype(bool), tokens, 0)
+  return tokens, mask
+
+
+QWEN_TEMPLATE = (
+    "{%- if messages[0]['role'] != 'system' %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def make_tokenizer(path: str, corpus: list[str], vocab_size: int = 320,
+                   added: tuple[str, ...] = ()) -> None:
+  """A byte-level BPE tokenizer trained on `corpus`, saved as a Qwen-style fast
+  tokenizer directory (tokenizer.json, tokenizer_config.json with a chat template,
+  generation_config.json with two stop ids)."""
+  import json
+  import os
+
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE())
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  tok.train_from_iterator(corpus, trainer)
+  tok.add_tokens(list(added))  # whole strings as single (non-special) tokens
+  os.makedirs(path, exist_ok=True)
+  tok.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+               "pad_token": "<|endoftext|>", "bos_token": None,
+               "chat_template": QWEN_TEMPLATE}, f)
+  with open(os.path.join(path, "generation_config.json"), "w") as f:
+    json.dump({"eos_token_id": [tok.token_to_id("<|im_end|>"),
+                                tok.token_to_id("<|endoftext|>")]}, f)
