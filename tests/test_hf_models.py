@@ -143,3 +143,22 @@ def test_bad_checkpoints_name_the_tensor(tmp_path, case, match):
     os.remove(os.path.join(path, "config.json"))
   with pytest.raises((hf.CheckpointError, SafetensorsError), match=match):
     hf.load(path)
+
+
+@pytest.mark.parametrize("name,count", [
+    # transformers' num_parameters() of the released checkpoints.
+    ("qwen2_5_0_5b", 494_032_768), ("qwen2_5_1_5b", 1_543_714_304),
+    ("qwen2_5_7b", 7_615_616_512), ("qwen3_0_6b", 596_049_920), ("llama3_2_1b", 1_235_814_400)])
+def test_model_configs_have_the_released_parameter_counts(name, count):
+  import gin
+  from knittrans_jax.models.decoder import DecoderConfig
+  gin.clear_config()
+  try:
+    gin.parse_config_file(f"configs/models/{name}.gin")
+    config = DecoderConfig()
+  finally:
+    gin.clear_config()
+  abstract = hf.abstract_model(config)
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
+  assert n == count
+  assert hf.config_from_hf(hf.config_to_hf(config, "bfloat16")) == config

@@ -28,8 +28,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
   from knittrans_jax.storage import TrajectoryStore
 
   try:
-    with nnx.use_eager_sharding(False):
-      model = make_model(model_config, vit_config, nnx.Rngs(0))
+    with nnx.use_eager_sharding(False):  # shapes only: the weights come from the trainer
+      model = nnx.eval_shape(lambda: make_model(model_config, vit_config, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")

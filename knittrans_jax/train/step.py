@@ -117,6 +117,11 @@ class StepFunctions:
   def micro_step(self, state: TrainState, acc, sums, batch: dict, total_tokens):
     """Adds one micro-batch's gradients into `acc` and its metric sums into `sums`
     (both donated, both stay on the devices)."""
+    return self.micro_jit(batch)(state, acc, sums, batch, total_tokens)
+
+  def micro_jit(self, batch: dict):
+    """The jitted micro step for `batch`'s shapes (arrays or ShapeDtypeStructs); its
+    `.lower(...)` compiles ahead of time (scripts/plan_layout.py)."""
     key = ("micro", tuple(sorted((k, v.shape) for k, v in batch.items())))
     if key not in self._jitted:
       repl = replicated(self.mesh)
@@ -128,7 +133,7 @@ class StepFunctions:
           micro, in_shardings=(self.shardings, self._grad_sh, repl,
                                batch_shardings(self.mesh, self.rules, batch), repl),
           out_shardings=(self._grad_sh, repl), donate_argnums=(1, 2))
-    return self._jitted[key](state, acc, sums, batch, total_tokens)
+    return self._jitted[key]
 
   def scan_step(self, state: TrainState, stacked: dict, total_tokens):
     """One optimizer step over a stacked mini-batch [K, B, ...] (lax.scan)."""

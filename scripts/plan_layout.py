@@ -1,0 +1,181 @@
+"""Per-device memory of the train step for a model under every mesh layout, compiled
+ahead of time on fake CPU devices: no weights loaded, no accelerator needed.
+
+  python scripts/plan_layout.py --model configs/models/qwen2_5_7b.gin --devices 8
+  python scripts/plan_layout.py --model configs/models/qwen2_5_0_5b.gin --devices 8 \
+      --rows 16 --seq_len 2048 --gin_bindings "DecoderConfig.remat = 'full'" --json plan.json
+
+For each mesh file (default: every configs/mesh/*.gin) the micro step (forward and
+backward of `rows` x `seq_len` tokens, accumulating gradients) and the optimizer
+update are lowered on abstract inputs and compiled (`jax.jit(...).lower(...).compile()`).
+Parameters, optimizer state and the gradient accumulator are counted from their
+shardings (exact: the bytes each device holds); temporaries come from XLA's compiled
+memory analysis; `saved_act` is what autodiff keeps for the backward pass (where
+DecoderConfig.remat shows), divided over the batch shards. `peak` adds the resident
+state and the batch to the larger of the two steps' temporaries. docs/models.md says
+how far CPU figures carry to GPU and TPU.
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+import time
+
+
+def _fmt(x: float, unit: int) -> str:
+  return f"{x / unit:9.3f}"
+
+
+def saved_activation_bytes(fns, params, batch) -> int | None:
+  """Bytes of the activations the forward pass keeps for the backward pass (the
+  residuals of jax's autodiff, parameters excluded) for the whole micro-batch. This
+  is where DecoderConfig.remat shows: XLA's CPU buffer assignment does not schedule
+  for memory, so the compiled temporaries barely move with it (docs/models.md)."""
+  try:
+    from jax._src.ad_checkpoint import saved_residuals  # what print_saved_residuals uses
+  except ImportError:
+    return None
+  from flax import nnx
+
+  def loss(p, b):
+    return fns.objective_sum(fns.forward(nnx.merge(fns.graphdef, p), b), b)[0]
+  res = saved_residuals(loss, params, batch)
+  return int(sum(a.size * a.dtype.itemsize for a, why in res if "argument" not in why))
+
+
+def _rows_per_shard(sharding, rows: int) -> int:
+  return sharding.shard_shape((rows, 1))[0]
+
+
+def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[str]) -> dict:
+  import gin
+  import jax
+  import jax.numpy as jnp
+
+  from knittrans_jax import gin_cli
+  from knittrans_jax.models.decoder import DecoderConfig
+  from knittrans_jax.models.vlm import make_model
+  from knittrans_jax.rl import LossConfig
+  from knittrans_jax.train import MeshConfig, OptimizerConfig, StepFunctions, make_mesh, make_optimizer
+  from knittrans_jax.train.batch import batch_shardings
+  from knittrans_jax.train.mesh import replicated
+  from knittrans_jax.train.state import train_state_shapes
+
+  gin.clear_config()
+  gin.add_config_file_search_path(str(gin_cli.REPO_ROOT))
+  gin.parse_config_files_and_bindings([model_gin, mesh_gin], bindings, finalize_config=False)
+  model_cfg, mesh_cfg = DecoderConfig(), MeshConfig()
+  out = {"mesh_file": os.path.basename(mesh_gin), "mesh": mesh_cfg.name}
+  try:
+    mesh = make_mesh(mesh_cfg)
+  except ValueError as e:
+    return {**out, "error": str(e)}
+  out["mesh_shape"] = dict(mesh.shape)
+  tx = make_optimizer(OptimizerConfig())
+  try:
+    graphdef, state, sh = train_state_shapes(lambda r: make_model(model_cfg, None, r), tx, mesh,
+                                             mesh_cfg.rules)
+  except ValueError as e:  # e.g. a dimension that a mesh axis does not divide
+    return {**out, "error": str(e)}
+  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules)
+
+  def per_device(tree, shardings=None) -> int:
+    leaves = jax.tree.leaves(tree)
+    shs = jax.tree.leaves(shardings) if shardings is not None else [x.sharding for x in leaves]
+    return sum(math.prod(s.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+               for x, s in zip(leaves, shs))
+
+  params_b = per_device(state.params)
+  opt_b = per_device(state.opt_state)
+  acc = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, jnp.float32, sharding=x.sharding),
+                     state.params)
+  grads_b = per_device(acc)
+  batch = {"tokens": (jnp.int32, (rows, seq_len)), "attention_mask": (jnp.bool_, (rows, seq_len)),
+           "loss_mask": (jnp.float32, (rows, seq_len)),
+           "behaviour_logp": (jnp.float32, (rows, seq_len)), "advantages": (jnp.float32, (rows,))}
+  batch = {k: jax.ShapeDtypeStruct(s, d) for k, (d, s) in batch.items()}
+  bsh = batch_shardings(mesh, mesh_cfg.rules, batch)
+  batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh[k]) for k, v in batch.items()}
+  repl = replicated(mesh)
+  sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=repl),
+                      jax.eval_shape(lambda st, b: fns._micro(st.params, b, jnp.float32(1))[1],
+                                     state, batch))
+  n = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
+  saved = saved_activation_bytes(fns, state.params, batch)
+  if saved is not None:  # activations are split over the batch shards (at least)
+    saved //= max(1, rows // max(1, _rows_per_shard(bsh["tokens"], rows)))
+  t0 = time.perf_counter()
+  try:
+    micro = fns.micro_jit(batch).lower(state, acc, sums, batch, n).compile()
+    apply = fns.apply_step.lower(state, acc).compile()
+  except Exception as e:  # noqa: BLE001  (XLA reports layout problems as runtime errors)
+    return {**out, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+  compile_s = time.perf_counter() - t0
+  m, a = micro.memory_analysis(), apply.memory_analysis()
+  resident = params_b + opt_b + grads_b
+  n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
+  return {**out, "params": n_params, "params_bytes": params_b, "opt_state_bytes": opt_b,
+          "grad_acc_bytes": grads_b, "micro_temp_bytes": int(m.temp_size_in_bytes),
+          "apply_temp_bytes": int(a.temp_size_in_bytes),
+          "batch_bytes": per_device(batch), "saved_activation_bytes": saved,
+          "peak_bytes": resident + per_device(batch) + max(int(m.temp_size_in_bytes),
+                                                           int(a.temp_size_in_bytes)),
+          "compile_s": round(compile_s, 2)}
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--model", required=True, help="a model gin file (configs/models/*.gin)")
+  parser.add_argument("--mesh", action="append", default=[],
+                      help="mesh gin file (repeatable; default: every configs/mesh/*.gin)")
+  parser.add_argument("--devices", type=int, default=8, help="fake CPU devices to plan for")
+  parser.add_argument("--rows", type=int, default=None,
+                      help="rows per micro-batch (default: --devices)")
+  parser.add_argument("--seq_len", type=int, default=1024)
+  parser.add_argument("--gin_bindings", action="append", default=[],
+                      help="e.g. \"DecoderConfig.remat = 'full'\" (repeatable)")
+  parser.add_argument("--json", default=None, help="write the plans here")
+  args = parser.parse_args()
+  # Before JAX starts: N host devices stand in for the accelerators.
+  os.environ["JAX_PLATFORMS"] = "cpu"
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             f" --xla_force_host_platform_device_count={args.devices}")
+  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  from knittrans_jax import gin_cli
+  meshes = args.mesh or sorted(glob.glob(str(gin_cli.REPO_ROOT / "configs" / "mesh" / "*.gin")))
+  rows = args.rows or args.devices
+  bindings = args.gin_bindings
+  plans = []
+  from tqdm import tqdm
+  for mesh_gin in tqdm(meshes, desc="compiling", unit="layout", disable=None):
+    plans.append(plan(gin_cli._resolve(args.model), gin_cli._resolve(mesh_gin), rows,
+                      args.seq_len, bindings))
+  print(f"\n{args.model}: {args.devices} devices, micro-batch {rows} x {args.seq_len} tokens"
+        f"{'; ' + '; '.join(args.gin_bindings) if args.gin_bindings else ''}")
+  ok = [p for p in plans if "error" not in p]
+  big = max((p["peak_bytes"] for p in ok), default=0) >= 2**30
+  unit, name = (2**30, "GiB") if big else (2**20, "MiB")
+  cols = ("params_bytes", "opt_state_bytes", "grad_acc_bytes", "saved_activation_bytes",
+          "micro_temp_bytes", "apply_temp_bytes", "peak_bytes")
+  print(f"{name} per device    params  opt_state  grad_acc  saved_act  micro_tmp  apply_tmp"
+        "       peak  compile_s")
+  for p in plans:
+    if "error" in p:
+      print(f"{p['mesh']:<14} does not fit: {p['error']}")
+      continue
+    print(f"{p['mesh']:<14}" + "".join(_fmt(p[c] or 0, unit) + " " for c in cols) +
+          f"{p['compile_s']:9.1f}")
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump({"model": args.model, "devices": args.devices, "rows": rows,
+                 "seq_len": args.seq_len, "bindings": args.gin_bindings, "plans": plans}, f,
+                indent=2)
+
+
+if __name__ == "__main__":
+  main()
