@@ -72,12 +72,10 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
   rotated pairs are (i, i + D/2), the Hugging Face (GPT-NeoX) convention."""
   dt = wide(x.dtype)
   angle = positions[..., None].astype(dt) * jnp.asarray(inv_freq, dt)  # [B, T, D/2]
-  angle = jnp.concatenate([angle, angle], axis=-1)[:, :, None, :]
-  cos, sin = jnp.cos(angle), jnp.sin(angle)
-  xw = x.astype(dt)
+  cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
   half = x.shape[-1] // 2
-  rotated = jnp.concatenate([-xw[..., half:], xw[..., :half]], axis=-1)
-  return (xw * cos + rotated * sin).astype(x.dtype)
+  x1, x2 = x[..., :half].astype(dt), x[..., half:].astype(dt)
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto")
@@ -134,11 +132,20 @@ class Attention(nnx.Module):
       return self.o(out.reshape(B, T, -1))
     dt = wide(q.dtype)
     g = self.heads // self.kv_heads
-    qg = q.reshape(B, T, self.kv_heads, g, self.head_dim)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
-    scores = jnp.where(mask[:, None, None], scores, jnp.finfo(dt).min)
+    if g == 1:  # plain multi-head: 4-d einsums, which XLA's CPU dots run faster
+      scores = jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(dt)
+      mask = mask[:, None]
+    else:  # query heads grouped over their shared key/value head
+      q = q.reshape(B, T, self.kv_heads, g, self.head_dim)
+      scores = jnp.einsum("btkgd,bskd->bkgts", q, k).astype(dt)
+      mask = mask[:, None, None]
+    scores = scores / jnp.sqrt(self.head_dim).astype(dt)
+    scores = jnp.where(mask, scores, jnp.finfo(dt).min)
     weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
+    if g == 1:
+      out = jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+    else:
+      out = jnp.einsum("bkgts,bskd->btkgd", weights, v)
     return self.o(out.reshape(B, T, -1))
 
   def __call__(self, x, mask, positions=None, cache=None, index=None):
