@@ -6,7 +6,7 @@ One JSON object per line; `id`, `source`, `prompt` and `answer` are strings, oth
 fields are kept in `extra`. `PromptSet` groups the prompts by source; the prompt of
 a group is a pure function of (seed, group id, source), as the synthetic tasks'
 are (rollout/groups.task_for), so a resumed or replayed run sees the same prompt
-for the same group. The job's quota-exact stream (sim/workload.PromptStream)
+for the same group. The job's quota-exact stream (admission/dispatch.py)
 decides the sources; this decides the prompt within a source.
 
 Pure Python; no JAX.

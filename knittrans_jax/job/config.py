@@ -7,6 +7,7 @@ import os
 import gin
 
 from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 
 
 @gin.configurable
@@ -20,6 +21,9 @@ class JobConfig:
   suite: 'text' (a decoder on text tasks), 'vision' (a VLM on generated images) or
     'math' (a prompt data set through the checkpoint's tokenizer and chat template,
     scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig).
+  dispatch: the order groups start in (admission/dispatch.py): 'shuffled' (the data
+    loader's quota-exact blocks in random order) or 'quota_aware' (within each
+    block, the source whose groups take longest to complete first).
   checkpoint: a Hugging Face decoder directory (models/hf.py) the policy starts
     from; its config.json sets the architecture, DecoderConfig's dtype, param_dtype,
     remat and attention still apply. None: DecoderConfig, randomly initialised.
@@ -54,6 +58,7 @@ class JobConfig:
   control_address: str | None = None
   stall_timeout_s: float = 600.0
   checkpoint: str | None = None
+  dispatch: str = "shuffled"
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -69,6 +74,8 @@ class JobConfig:
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
     if self.suite not in ("text", "vision", "math"):
       raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision' or 'math'")
+    if self.dispatch not in DISPATCH_POLICIES:
+      raise ValueError(f"JobConfig.dispatch = {self.dispatch!r}: use one of {DISPATCH_POLICIES}")
     if self.checkpoint is not None and not os.path.isfile(
         os.path.join(self.checkpoint, "config.json")):
       raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} is not a Hugging Face "

@@ -72,6 +72,7 @@ class Controller:
     self._dropped_seen = len(policy.dropped)
     self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
     self._last_progress = clock()
+    self._sent_at: dict[int, float] = {}  # group id -> when it was dispatched (this process)
     if state.stream is not None:
       stream.restore(state.stream)
     if state.position is not None:
@@ -133,6 +134,7 @@ class Controller:
   def _send(self, source: str) -> None:
     gid = self.state.dispatch(source)
     self.policy.dispatched(source)
+    self._sent_at[gid] = self.clock()
     self.pool.submit(gid, source)
 
   # ---- reports ------------------------------------------------------------------
@@ -158,6 +160,9 @@ class Controller:
 
   def _finished(self, metas: list[TrajMeta]) -> None:
     self.state.finished(metas)
+    sent = self._sent_at.pop(metas[0].group_id, None)
+    if sent is not None and hasattr(self.stream, "observe"):  # completion times teach dispatch
+      self.stream.observe(metas[0].source, self.clock() - sent)
     before = len(self.policy.dropped)
     self.policy.finished(GroupInfo.from_metas(metas))
     if len(self.policy.dropped) == before:

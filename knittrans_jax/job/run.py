@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from knittrans_jax import gin_cli
 from knittrans_jax.admission import make_policy
+from knittrans_jax.admission.dispatch import make_dispatch
 from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.controller import Controller, JobStalled
@@ -56,7 +57,6 @@ from knittrans_jax.rollout.groups import (MathSource, rollout_groups, suite_prom
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightPublisher
-from knittrans_jax.sim.workload import PromptStream
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.storage.quarantine import QuarantiningReader
 from knittrans_jax.train import (CheckpointConfig, Checkpointer, MeshConfig, OptimizerConfig,
@@ -132,8 +132,9 @@ class Job:
                        if self.trainer.encode_once is not None else None))
       self.progress = ControllerState.from_json(progress) if progress else ControllerState()
       policy = make_policy(cfg.policy if cfg.mode == "disaggregated" else "train_batch", spec)
-      # Prompt sources in quota-exact blocks of G, shuffled (the data loader).
-      self.stream = PromptStream(spec, self.sources, np.random.default_rng(cfg.seed))
+      # Prompt sources in quota-exact blocks of G, ordered by the dispatch policy.
+      self.stream = make_dispatch(cfg.dispatch, spec, self.sources,
+                                  np.random.default_rng(cfg.seed))
       self.policy = policy
       self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.trainer.version)
     # As t5x does: the operative config right after set-up, so a crashed run has it.

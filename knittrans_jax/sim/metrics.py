@@ -23,12 +23,15 @@ def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:
   T = result.sim_time_s
   return {
       "mode": result.mode, "policy": result.policy, "window": result.window,
+      "dispatch": result.dispatch,
       "trajectories": result.trajectories,
       "arch_staleness_mean": float(pos.mean()),
       "arch_staleness_signed_mean": float(a.mean()),
       "arch_staleness_p50": float(np.percentile(pos, 50)),
       "arch_staleness_p99": float(np.percentile(pos, 99)),
       "arch_staleness_max": int(pos.max()),
+      # What would be left if every group trained as soon as it finished decoding.
+      "arch_floor_mean": float(result.arch_floor.mean()),
       "staleness_mean": float((result.v_consume - result.v_gen).mean()),
       "quota_violations": quota_violations(result, spec),
       "throughput_traj_per_s": result.trajectories / T,

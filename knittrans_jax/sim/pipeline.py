@@ -18,8 +18,9 @@ import heapq
 import numpy as np
 
 from knittrans_jax.admission import GroupInfo, make_policy
+from knittrans_jax.admission.dispatch import make_dispatch
 from knittrans_jax.sim.config import SimConfig
-from knittrans_jax.sim.workload import LengthSampler, PromptStream
+from knittrans_jax.sim.workload import LengthSampler
 
 _RESP, _TRAIN, _SYNC = 0, 1, 2
 
@@ -34,6 +35,7 @@ class SimResult:
   mode: str
   policy: str
   window: int
+  dispatch: str
   v_gen: np.ndarray
   v_consume: np.ndarray
   j: np.ndarray
@@ -52,6 +54,8 @@ class SimResult:
   groups_done: int
   rollout_versions: np.ndarray  # per finished group: versions elapsed while it decoded
   rollout_s: np.ndarray  # per finished group: dispatch to last response done
+  v_done: np.ndarray  # per trajectory: the version when its group finished decoding
+  max_in_window: int = 0  # most groups ever dispatched but not trained or dropped
 
   @property
   def arch(self) -> np.ndarray:
@@ -59,13 +63,22 @@ class SimResult:
     return self.v_consume - self.v_gen - self.j
 
   @property
+  def arch_floor(self) -> np.ndarray:
+    """max(v_done - v_gen - j, 0) per trajectory: the architectural staleness left if
+    every group trained the moment it finished decoding, at its j. v_consume >=
+    v_done, so no admission policy gets below it at this dispatch and throughput."""
+    return np.maximum(self.v_done - self.v_gen - self.j, 0)
+
+  @property
   def trajectories(self) -> int:
     return int(self.v_gen.size)
 
 
 def simulate(config: SimConfig, policy: str = "constraint_preserving", window: int | None = None,
-             mode: str = "disaggregated") -> SimResult:
-  """Runs `config.train_batches` train batches; deterministic for `config.seed`."""
+             mode: str = "disaggregated", dispatch: str = "shuffled",
+             dispatch_kwargs: dict | None = None) -> SimResult:
+  """Runs `config.train_batches` train batches; deterministic for `config.seed`.
+  `dispatch` picks the order groups start in (admission/dispatch.py)."""
   if mode not in ("disaggregated", "colocated"):
     raise ValueError(f"mode = {mode!r}: use 'disaggregated' or 'colocated'")
   spec = config.spec
@@ -78,7 +91,8 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     raise ValueError(f"window W = {window} < g = {spec.mini_batch_groups}: no mini-batch can form")
   latency = 0.0 if colocated else config.sync_latency_s
   rng = np.random.default_rng(config.seed)
-  stream = PromptStream(spec, config.sources, rng)
+  dispatch_name = dispatch  # `dispatch` is the refill function below
+  stream = make_dispatch(dispatch_name, spec, config.sources, rng, **(dispatch_kwargs or {}))
   pol = make_policy(policy, spec)
   names = tuple(config.sources)
   src_index = {s: i for i, s in enumerate(names)}
@@ -86,6 +100,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
 
   # Group tables (grown as groups are dispatched).
   g_source, g_lengths, g_vstart, g_left, g_dispatch, g_tokens = [], [], [], [], [], []
+  g_vdone = {}  # group id -> version when its last response finished
   lengths = LengthSampler(config, rng)
   events: list = []
   seq = 0
@@ -97,6 +112,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   version = 0
   now = 0.0
   in_window = 0
+  max_in_window = 0
   area = 0.0  # integral of in_window over time
   sojourn_sum, groups_done = 0.0, 0
   dispatched_net = 0  # dispatched minus dropped
@@ -152,6 +168,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     queue.extend((gid, r) for r in range(n))
 
   def dispatch():
+    nonlocal max_in_window
     if colocated:
       if in_window == 0 and dispatched_net < target_groups:
         for _ in range(G):
@@ -161,6 +178,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
         # The stream keeps every block of G at the quota mix; a dropped group is
         # replaced by one of its source first (what short_sources() asks for).
         dispatch_one(replace.popleft() if replace else stream.next())
+    max_in_window = max(max_in_window, in_window)
     start_requests()
 
   def account_drops():
@@ -194,6 +212,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       rec["k"] += [mb.train_batch] * n
       rec["source"] += [src_index[grp.source]] * n
       rec["group"] += [gid] * n
+      rec["v_done"] += [g_vdone[gid]] * n
     mb_counts.append((mb.train_batch, mb.index, collections.Counter(grp.source for grp in mb.groups)))
     push(now + config.trainer_fixed_s + config.trainer_per_token_s * tokens, _TRAIN, None)
 
@@ -217,6 +236,8 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
         v_first = min(g_vstart[gid])
         rollout_versions.append(version - v_first)
         rollout_s.append(now - g_dispatch[gid])
+        g_vdone[gid] = version
+        stream.observe(src, now - g_dispatch[gid])
         pol.finished(GroupInfo(gid, src, g_tokens[gid], v_first))
         try_train()
         dispatch()  # refills the window if admission dropped stale groups
@@ -247,10 +268,11 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
                        f"(policy {policy}, W = {window}); short sources: {pol.short_sources()}")
   as_array = lambda key: np.asarray(rec[key], np.int64)
   return SimResult(
-      mode=mode, policy=policy, window=window, v_gen=as_array("v_gen"),
+      mode=mode, policy=policy, window=window, dispatch=dispatch_name, v_gen=as_array("v_gen"),
       v_consume=as_array("v_consume"), j=as_array("j"), train_batch=as_array("k"),
       source=as_array("source"), group_id=as_array("group"), sources=names, sim_time_s=now,
       trainer_busy_s=trainer_busy_s, slot_busy_s=slot_busy_s, slots=config.slots,
       mini_batch_counts=mb_counts, dropped=dict(dropped), mean_in_system=area / now,
       mean_sojourn_s=sojourn_sum / max(groups_done, 1), groups_done=groups_done,
-      rollout_versions=np.asarray(rollout_versions), rollout_s=np.asarray(rollout_s))
+      rollout_versions=np.asarray(rollout_versions), rollout_s=np.asarray(rollout_s),
+      v_done=as_array("v_done"), max_in_window=max_in_window)

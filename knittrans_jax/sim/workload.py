@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from knittrans_jax.admission.dispatch import Shuffled
 from knittrans_jax.sim.config import SimConfig, SourceModel
 
 
@@ -30,29 +31,5 @@ class LengthSampler:
     return out
 
 
-class PromptStream:
-  """The data loader: each block of G prompts has exactly the quota mix, shuffled.
-
-  Without quotas the mix is uniform over the configured sources.
-  """
-
-  def __init__(self, spec, sources, rng: np.random.Generator):
-    if spec.source_quota is not None:
-      block = [s for s, q in spec.source_quota.items() for _ in range(q)]
-    else:
-      names = list(sources)
-      block = [names[i % len(names)] for i in range(spec.groups_per_batch)]
-    self._block, self._rng, self._queue = block, rng, []
-
-  def next(self) -> str:
-    if not self._queue:
-      self._queue = [str(s) for s in self._rng.permutation(self._block)][::-1]
-    return self._queue.pop()
-
-  def state(self) -> dict:
-    """JSON-able: the rest of the current block and the generator's state."""
-    return {"queue": list(self._queue), "rng": self._rng.bit_generator.state}
-
-  def restore(self, state: dict) -> None:
-    self._queue = list(state["queue"])
-    self._rng.bit_generator.state = state["rng"]
+# The data loader is the `shuffled` dispatch policy (admission/dispatch.py).
+PromptStream = Shuffled
