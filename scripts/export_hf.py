@@ -12,6 +12,7 @@ alongside, so the directory is complete.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 
@@ -55,13 +56,24 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   ckpt.close()
   state, _ = restored
   model = nnx.merge(graphdef, state.params)
-  files = hf.save(model, model_cfg, out, dtype=dtype)
+  # The source checkpoint's special-token ids, so EOS is right without generation_config.
+  extra = {}
+  if cfg.checkpoint:
+    source = hf.read_config(cfg.checkpoint)
+    extra = {k: source[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+             if source.get(k) is not None}
+  files = hf.save(model, model_cfg, out, dtype=dtype, extra_config=extra)
   tok_dir = (MathTaskConfig().tokenizer if cfg.suite == "math" else None) or cfg.checkpoint
   copied = []
   for fn in TOKENIZER_FILES:
     if tok_dir and os.path.exists(os.path.join(tok_dir, fn)):
       shutil.copy(os.path.join(tok_dir, fn), os.path.join(out, fn))
       copied.append(fn)
+  if "generation_config.json" not in copied and "eos_token_id" in extra:
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+      json.dump({k: extra[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+                 if k in extra}, f, indent=2)
+    copied.append("generation_config.json")
   return {"step": step, "out": out, "files": [os.path.basename(f) for f in files],
           "tokenizer_files": copied, "family": hf.hf_family(model_cfg)}
 

@@ -38,38 +38,47 @@ from tqdm import tqdm  # noqa: E402
 from knittrans_jax import gin_cli  # noqa: E402
 from knittrans_jax.admission import TrainBatchSpec  # noqa: E402
 from knittrans_jax.sim import SimConfig, simulate  # noqa: E402
-from knittrans_jax.sim.sweep import POLICIES, headline, refine, run_points, window_grid  # noqa: E402
+from knittrans_jax.sim.sweep import COMBOS, headline, refine, run_points, split, window_grid  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLORS = {"train_batch": "tab:red", "fifo": "tab:gray", "constraint_preserving": "tab:blue"}
+DASHES = {"shuffled": "-", "quota_aware": "--"}  # dispatch policy: line style
+
+
+def style(name: str) -> tuple[str, str]:
+  admission, dispatch = split(name)
+  return COLORS[admission], DASHES.get(dispatch, ":")
 
 
 def sweep(config: SimConfig, refine_steps: int = 5):
   G = config.spec.groups_per_batch
-  points = [(p, w, "disaggregated") for p in POLICIES for w in window_grid(config)
-            if p != "train_batch" or w >= G]
+  points = [(p, w, "disaggregated") for p in COMBOS for w in window_grid(config)
+            if split(p)[0] != "train_batch" or w >= G]
   points.append(("train_batch", None, "colocated"))
   summaries = [s for s, _ in run_points(config, points)]
-  summaries += refine(summaries, config, POLICIES, 0.0, refine_steps)
+  summaries += refine(summaries, config, COMBOS, 0.0, refine_steps)
   return summaries, headline(summaries, config)
 
 
 def frontier_figure(summaries, head, colocated, path):
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
-  for name in POLICIES:
+  for name in COMBOS:
     pts = sorted((p["window"], p) for p in summaries if p["policy"] == name
                  and p["mode"] == "disaggregated" and not p["stalled"])
     x = [p["throughput_traj_per_s"] for _, p in pts]
     y = [p["arch_staleness_mean"] for _, p in pts]
-    ax.plot(x, y, "o-", ms=3, color=COLORS[name], label=name)
+    color, ls = style(name)
+    ax.plot(x, y, "o", ls=ls, ms=3, color=color, label=name)
     m = head["policies"][name]
-    ax.plot(m["throughput_traj_per_s"], m["arch_staleness_mean"], "*", ms=14, color=COLORS[name])
+    ax.plot(m["throughput_traj_per_s"], m["arch_staleness_mean"], "*", ms=14, color=color)
+    ax.plot(m["throughput_traj_per_s"], m["arch_floor_mean"], "_", ms=14, mew=2, color=color)
   ax.plot(colocated["throughput_traj_per_s"], 0, "s", color="k", label="colocated (a = 0)")
   ax.axvline(head["baseline_throughput_traj_per_s"], ls=":", color="tab:red", lw=1)
   ax.set_xlabel("throughput (trajectories / s)")
   ax.set_ylabel("architectural staleness, mean of max(a, 0)")
-  ax.set_title("Staleness-throughput frontier (window W swept); stars: matched point")
-  ax.legend()
+  ax.set_title("Staleness-throughput frontier (W swept); *: matched point, -: its decode floor",
+               fontsize=9)
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=130)
   plt.close(fig)
@@ -78,16 +87,18 @@ def frontier_figure(summaries, head, colocated, path):
 def cdf_figure(config, head, path):
   fig, ax = plt.subplots(figsize=(6.5, 4.5))
   out = {}
-  for name in POLICIES:
+  for name in COMBOS:
     w = head["policies"][name]["window"]
-    a = np.sort(np.maximum(simulate(config, name, w).arch, 0))
-    ax.step(a, np.arange(1, a.size + 1) / a.size, where="post", color=COLORS[name],
+    admission, dispatch = split(name)
+    a = np.sort(np.maximum(simulate(config, admission, w, dispatch=dispatch).arch, 0))
+    color, ls = style(name)
+    ax.step(a, np.arange(1, a.size + 1) / a.size, where="post", color=color, ls=ls,
             label=f"{name} (W = {w})")
     out[name] = {"window": w, **{f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)}}
   ax.set_xlabel("architectural staleness max(a, 0) (versions)")
   ax.set_ylabel("fraction of trajectories")
   ax.set_title("CDF at matched throughput")
-  ax.legend()
+  ax.legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=130)
   plt.close(fig)
@@ -121,11 +132,14 @@ def sensitivity(config, train_batches, bar):
     rows = []
     for value, cfg in variants:
       summaries, head = sweep(cfg, refine_steps=4)
-      fifo = head["policies"]["fifo"]
-      rows.append({"value": value, "reduction_constraint_preserving": head["reduction_vs_train_batch"],
-                   "reduction_fifo": 1 - fifo["arch_staleness_mean"] /
-                   head["policies"]["train_batch"]["arch_staleness_mean"],
-                   "fifo_quota_violations": fifo["quota_violations"]})
+      pol = head["policies"]
+      rows.append({"value": value,
+                   "reduction_constraint_preserving": pol["constraint_preserving"]["reduction"],
+                   "reduction_quota_aware": pol["constraint_preserving+quota_aware"]["reduction"],
+                   "fraction_of_floor_quota_aware":
+                       pol["constraint_preserving+quota_aware"]["fraction_of_floor"],
+                   "reduction_fifo": pol["fifo"]["reduction"],
+                   "fifo_quota_violations": pol["fifo"]["quota_violations"]})
       bar.update()
     results[axis] = rows
   return results
@@ -137,6 +151,8 @@ def sensitivity_figure(results, path):
     x = [r["value"] for r in rows]
     ax.plot(x, [r["reduction_constraint_preserving"] for r in rows], "o-",
             color=COLORS["constraint_preserving"], label="constraint_preserving")
+    ax.plot(x, [r["reduction_quota_aware"] for r in rows], "s--",
+            color=COLORS["constraint_preserving"], label="constraint_preserving+quota_aware")
     ax.plot(x, [r["reduction_fifo"] for r in rows], "o--", color=COLORS["fifo"],
             label="fifo (breaks quotas)")
     ax.axhline(0.93, ls=":", color="k", lw=1)
@@ -153,7 +169,7 @@ def sensitivity_figure(results, path):
 
 def staleness(out: str, sensitivity_batches: int) -> dict:
   config = SimConfig()
-  bar = tqdm(total=12, desc="staleness figures", unit="sweep")
+  bar = tqdm(total=12, desc="staleness figures", unit="sweep")  # 1 + 11 sensitivity points
   summaries, head = sweep(config)
   bar.update()
   colocated = next(p for p in summaries if p["mode"] == "colocated")
@@ -165,7 +181,8 @@ def staleness(out: str, sensitivity_batches: int) -> dict:
   return {"headline": {k: v for k, v in head.items() if k != "policies"},
           "matched": {n: {k: p[k] for k in ("window", "throughput_traj_per_s", "arch_staleness_mean",
                                             "arch_staleness_signed_mean", "arch_staleness_p99",
-                                            "quota_violations")}
+                                            "quota_violations", "arch_floor_mean", "reduction",
+                                            "fraction_of_floor", "admission", "dispatch")}
                       for n, p in head["policies"].items()},
           "colocated_throughput": colocated["throughput_traj_per_s"], "cdf": cdf,
           "sensitivity": sens}
@@ -379,25 +396,35 @@ def staleness_section(s) -> list[str]:
            f"Baseline: train_batch at W = 2G = {h['baseline_window']} gives "
            f"{h['baseline_throughput_traj_per_s']:.2f} trajectories/s. Each policy at the smallest "
            "window reaching that throughput:", "",
-           "| policy | W | traj/s | mean max(a,0) | signed mean | p99 | quota violations |",
-           "| --- | --- | --- | --- | --- | --- | --- |"]
+           "| admission + dispatch | W | traj/s | mean max(a,0) | decode floor | reduction | "
+           "fraction of floor | p99 | quota violations |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in s["matched"].items():
+    red = "" if name == "train_batch" or p.get("reduction") is None else f"{p['reduction']:.3f}"
+    frac = ("" if name == "train_batch" or p.get("fraction_of_floor") is None
+            else f"{p['fraction_of_floor']:.2f}")
     lines.append(f"| {name} | {p['window']} | {p['throughput_traj_per_s']:.2f} | "
-                 f"{p['arch_staleness_mean']:.2f} | {p['arch_staleness_signed_mean']:.2f} | "
-                 f"{p['arch_staleness_p99']:.0f} | {p['quota_violations']} |")
-  lines += ["", f"Reduction vs train_batch at matched throughput: "
-            f"**{h['reduction_vs_train_batch']:.3f}**; at the same window W = 2G: "
-            f"{h['reduction_same_window']:.3f}. Colocated: {s['colocated_throughput']:.2f} traj/s.",
+                 f"{p['arch_staleness_mean']:.2f} | {p.get('arch_floor_mean', float('nan')):.2f} | "
+                 f"{red} | {frac} | {p['arch_staleness_p99']:.0f} | {p['quota_violations']} |")
+  lines += ["", f"Reduction vs train_batch at matched throughput, best quota-keeping "
+            f"combination ({h.get('best')}): **{h['reduction_vs_train_batch']:.3f}**, "
+            f"{h.get('fraction_of_floor') or float('nan'):.2f} of its decode floor "
+            f"{h.get('decode_floor_reduction') or float('nan'):.3f}; constraint_preserving at the "
+            f"same window W = 2G: {h['reduction_same_window']:.3f}. Colocated: "
+            f"{s['colocated_throughput']:.2f} traj/s.",
             "", "![cdf](staleness_cdf.png)", "",
             "| policy | W | p50 | p90 | p99 |", "| --- | --- | --- | --- | --- |"]
   for name, c in s["cdf"].items():
     lines.append(f"| {name} | {c['window']} | {c['p50']:.0f} | {c['p90']:.0f} | {c['p99']:.0f} |")
   lines += ["", "![sensitivity](staleness_sensitivity.png)", ""]
   for axis, rows in s["sensitivity"].items():
-    lines += [f"Reduction vs {axis}:", "", "| value | constraint_preserving | fifo | fifo quota violations |",
-              "| --- | --- | --- | --- |"]
+    lines += [f"Reduction vs {axis}:", "", "| value | constraint_preserving | "
+              "constraint_preserving+quota_aware (of floor) | fifo | fifo quota violations |",
+              "| --- | --- | --- | --- | --- |"]
     for r in rows:
-      lines.append(f"| {r['value']} | {r['reduction_constraint_preserving']:.3f} | "
+      qa = r.get("reduction_quota_aware")
+      qa = "" if qa is None else f"{qa:.3f} ({r['fraction_of_floor_quota_aware']:.2f})"
+      lines.append(f"| {r['value']} | {r['reduction_constraint_preserving']:.3f} | {qa} | "
                    f"{r['reduction_fifo']:.3f} | {r['fifo_quota_violations']} |")
     lines.append("")
   return lines

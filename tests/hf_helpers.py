@@ -16,12 +16,14 @@ FAMILIES = {
     # Qwen3: per-head q/k RMSNorm, explicit head_dim != hidden / heads, untied.
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
               dict(head_dim=16, rope_theta=1000000.0, tie_word_embeddings=False)),
-    # Llama 3.2: llama3 RoPE scaling (a small original length so it bites), tied.
+    # Llama 3.2: llama3 RoPE scaling, tied. With head_dim 8 the wavelengths are 6.3,
+    # 167, 4443 and 118k positions; an original length of 600 puts them in all three
+    # bands (kept, smoothed, divided by the factor).
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
               dict(rope_theta=500000.0, tie_word_embeddings=True,
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 32})),
+                                 "original_max_position_embeddings": 600})),
 }
 
 

@@ -197,3 +197,32 @@ def test_two_processes_each_read_their_own_slices(tmp_path):
   for a, b in zip(jax.tree.leaves(nnx.state(single, nnx.Param)),
                   jax.tree.leaves(nnx.state(again, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_tied_head_tensor_default_tying_and_resaving(tmp_path):
+  """A tied checkpoint that also stores lm_head loads; a config.json without
+  tie_word_embeddings means untied (transformers' default); saving over a directory
+  leaves no stale shards to be read instead."""
+  from safetensors.numpy import load_file, save_file
+  tied = str(tmp_path / "tied")
+  make_checkpoint("qwen2", tied, seed=4)
+  fn = os.path.join(tied, "model.safetensors")
+  tensors = load_file(fn)
+  tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].copy()
+  save_file(tensors, fn, metadata={"format": "pt"})
+  model, config = hf.load(tied)
+  assert config.tie_embeddings
+  untied = str(tmp_path / "untied")
+  make_checkpoint("qwen3", untied, seed=4)
+  cfg = json.load(open(os.path.join(untied, "config.json")))
+  cfg.pop("tie_word_embeddings")
+  json.dump(cfg, open(os.path.join(untied, "config.json"), "w"))
+  assert not hf.load(untied)[1].tie_embeddings
+  out = str(tmp_path / "out")
+  other, other_cfg = hf.load(untied)
+  hf.save(other, other_cfg, out, max_shard_bytes=8 << 10)  # sharded, with an index
+  hf.save(model, config, out)  # then one file over it
+  assert sorted(f for f in os.listdir(out) if f.startswith("model")) == ["model.safetensors"]
+  again, _ = hf.load(out)
+  tokens, mask = padded_batch()
+  np.testing.assert_array_equal(np.asarray(again(tokens, mask)), np.asarray(model(tokens, mask)))

@@ -73,6 +73,17 @@ def check_trained(workdir, expected_steps):
   return summary, recs
 
 
+def test_quota_aware_dispatch_in_the_job(tmp_path):
+  """The job's workers are fed by the quota_aware dispatch: it learns each source's
+  completion time from finished groups and keeps every quota."""
+  work = tmp_path / "run"
+  finish(start(work, "JobConfig.dispatch = 'quota_aware'", "QuotaAware.min_samples = 2"))
+  summary, _ = check_trained(work, 6)
+  est = summary["dispatch_estimates_s"]
+  assert summary["dispatch"] == "quota_aware" and set(est) == {"nearest", "count", "chain"}
+  assert all(v is not None and v > 0 for v in est.values()), est
+
+
 @pytest.mark.parametrize("mode,policy,data_path", [
     ("disaggregated", "constraint_preserving", "ondemand"),
     ("colocated", "train_batch", "centralized")])

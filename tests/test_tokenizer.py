@@ -67,3 +67,35 @@ def test_bad_tokenizer_directories(tmp_path, tok_dir):
   (bad / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
   with pytest.raises(TokenizerError, match="no chat_template"):
     Tokenizer.from_dir(str(bad)).chat([{"role": "user", "content": "x"}])
+
+
+LLAMA_LIKE = (
+    "{{- bos_token }}"
+    "{%- if not date_string is defined %}{%- if strftime_now is defined %}"
+    "{%- set date_string = strftime_now('%d %b %Y') %}{%- else %}"
+    "{%- set date_string = '26 Jul 2024' %}{%- endif %}{%- endif %}"
+    "{{- '<|im_start|>system\nToday Date: ' + date_string + '<|im_end|>\n' }}"
+    "{%- if tools is not none %}{{- 'TOOLS:' + tools|length|string }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' }}"
+    "{%- if message['role'] == 'assistant' %}{% generation %}{{- message['content'] }}"
+    "{% endgeneration %}{%- else %}{{- message['content'] }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_llama_style_template_variables_match_transformers(tok_dir, tmp_path):
+  """bos_token, date_string / strftime_now, tools left None, the generation tag."""
+  import shutil
+  d = tmp_path / "llama_like"
+  shutil.copytree(tok_dir, d)
+  cfg = json.load(open(d / "tokenizer_config.json"))
+  cfg.update(chat_template=LLAMA_LIKE, bos_token="<|endoftext|>")
+  (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+  ours, theirs = Tokenizer.from_dir(str(d)), transformers.AutoTokenizer.from_pretrained(str(d))
+  messages = [{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": "2"},
+              {"role": "user", "content": "2+2?"}]
+  for kw in ({}, {"date_string": "01 Jan 2025"}):
+    want = theirs.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
+    assert ours.render_chat(messages, True, **kw) == want
+  assert "TOOLS" not in want and "01 Jan 2025" in want

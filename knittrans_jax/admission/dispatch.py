@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 from typing import Mapping, Sequence
 
+import gin
 import numpy as np
 
 DISPATCH_POLICIES = ("shuffled", "quota_aware")
@@ -68,6 +69,7 @@ class Shuffled:
     self._rng.bit_generator.state = state["rng"]
 
 
+@gin.configurable
 class QuotaAware(Shuffled):
   """Longest expected group completion first, within each quota-exact block."""
 

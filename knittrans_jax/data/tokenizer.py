@@ -7,16 +7,20 @@
 Reads `tokenizer.json` with the `tokenizers` package (the Rust tokenizer that
 transformers' fast tokenizers wrap) and `tokenizer_config.json` (special tokens,
 `chat_template`) or `chat_template.jinja`; the template is rendered with jinja2 in a
-sandbox, with the variables and helpers transformers gives it. Stop tokens are the
+sandbox, with the variables and helpers transformers gives it (`raise_exception`,
+`strftime_now`, `tools`/`documents` as None, the `{% generation %}` tag). Stop tokens are the
 EOS token plus `generation_config.json`'s eos_token_id(s).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 from typing import Any
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 import jinja2.sandbox
 import tokenizers
 
@@ -105,9 +109,11 @@ class Tokenizer:
     """The chat template applied to `messages`, as text."""
     if not self.chat_template:
       raise TokenizerError(f"{self.source}: the tokenizer has no chat_template")
-    return _compile(self.chat_template).render(
-        messages=messages, add_generation_prompt=add_generation_prompt,
-        bos_token=self.bos_token or "", eos_token=self.eos_token or "", **variables)
+    context = dict(messages=messages, add_generation_prompt=add_generation_prompt,
+                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                   tools=None, documents=None)
+    context.update(variables)
+    return _compile(self.chat_template).render(**context)
 
   def chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True,
            **variables) -> list[int]:
@@ -119,6 +125,21 @@ def _raise(message):
   raise TokenizerError(f"chat template: {message}")
 
 
+def _strftime_now(fmt: str) -> str:
+  return datetime.datetime.now().strftime(fmt)
+
+
+class _Generation(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` (transformers marks assistant text with
+  it for masks); rendering just emits the body."""
+  tags = {"generation"}
+
+  def parse(self, parser):
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 _TEMPLATES: dict[str, jinja2.Template] = {}
 
 
@@ -127,9 +148,11 @@ def _compile(source: str) -> jinja2.Template:
   `raise_exception` and a `tojson` that keeps non-ASCII text."""
   if source not in _TEMPLATES:
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        trim_blocks=True, lstrip_blocks=True,
+        extensions=["jinja2.ext.loopcontrols", _Generation])
     env.filters["tojson"] = lambda x, indent=None, separators=None, sort_keys=False: json.dumps(
         x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
     env.globals["raise_exception"] = _raise
+    env.globals["strftime_now"] = _strftime_now
     _TEMPLATES[source] = env.from_string(source)
   return _TEMPLATES[source]

@@ -313,7 +313,10 @@ class Job:
                                exposed_data_wait_s=self.trainer.exposed_wait_s,
                                raw_transfer_s=self.trainer.raw_transfer_s, mode=cfg.mode,
                                policy=self.policy.name, groups=dict(self.progress.retired),
-                               worker_restarts=getattr(pool, "restarts", 0))
+                               worker_restarts=getattr(pool, "restarts", 0),
+                               dispatch=cfg.dispatch, dispatch_estimates_s={
+                                   src: getattr(self.stream, "estimate", lambda _: None)(src)
+                                   for src in self.sources})
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     gin_cli.save_operative_config(self.workdir)

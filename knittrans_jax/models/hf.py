@@ -68,7 +68,7 @@ def config_from_hf(hf: dict[str, Any], **overrides) -> DecoderConfig:
       head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
       rope_theta=float(hf.get("rope_theta", rp.get("rope_theta", 10000.0))),
       norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-      tie_embeddings=bool(hf.get("tie_word_embeddings", mt != "llama")),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", False)),  # transformers' default
       qkv_bias=mt == "qwen2", qk_norm=mt == "qwen3",
       max_positions=int(hf.get("max_position_embeddings", 4096)), family=mt)
   if rope_type == "llama3":
@@ -155,7 +155,11 @@ class _Tensors:
 
   def __init__(self, path: str):
     index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):  # as transformers does: the single file first
+      st = SafetensorsFile(single)
+      self._where = {n: st for n in st.names}
+    elif os.path.exists(index):
       with open(index) as f:
         weight_map = json.load(f)["weight_map"]
       files = {fn: SafetensorsFile(os.path.join(path, fn)) for fn in sorted(set(weight_map.values()))}
@@ -217,6 +221,8 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   flat = list(nnx.to_flat_state(abs_params))
   wanted = {hf_name(p)[0]: p for p, _ in flat}
   present = {n for n in tensors.names if not _IGNORED.match(n)}
+  if config.tie_embeddings:  # some exporters write the tied head too; it is the embedding
+    present.discard("lm_head.weight")
   missing = sorted(set(wanted) - present)
   extra = sorted(present - set(wanted))
   if missing:
@@ -294,6 +300,11 @@ def save(model: DecoderLM, config: DecoderConfig, path: str, dtype: str | None =
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(path, exist_ok=True)
+    # A previous save's shards or index would be read instead of (or mixed with) these.
+    for old in os.listdir(path):
+      if old.startswith("model") and (old.endswith(".safetensors") or
+                                      old == "model.safetensors.index.json"):
+        os.remove(os.path.join(path, old))
   names = (["model.safetensors"] if len(shards) == 1 else
            [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
   for fn, shard in zip(names, tqdm(shards, desc="saving", unit="shard", disable=None)):

@@ -32,11 +32,15 @@ class MathTaskConfig:
   """prompts: a JSONL prompt file (data/prompts.py); default the shipped arithmetic set.
   tokenizer: a directory with tokenizer.json; None: the job's checkpoint directory.
   prompt_len: prompts are left-padded to this many tokens; a longer one is an error.
-  system: the system message ('' for none)."""
+  system: the system message ('' for none).
+  date_string: passed to the chat template (Llama 3 templates print it); None lets the
+    template fall back to today's date (`strftime_now`), as transformers does, which
+    changes the prompts from day to day."""
   prompts: str = SHIPPED
   tokenizer: str | None = None
   prompt_len: int = 128
   system: str = SYSTEM
+  date_string: str | None = None
 
   def __post_init__(self):
     if self.prompt_len <= 0:
@@ -58,7 +62,8 @@ class MathTasks:
     if prompt.id not in self._ids:
       messages = ([{"role": "system", "content": self.config.system}] if self.config.system
                   else []) + [{"role": "user", "content": prompt.prompt}]
-      ids = np.asarray(self.tokenizer.chat(messages), np.int32)
+      extra = {} if self.config.date_string is None else {"date_string": self.config.date_string}
+      ids = np.asarray(self.tokenizer.chat(messages, **extra), np.int32)
       if ids.size > self.prompt_len:
         raise ValueError(f"{self.config.prompts}: prompt {prompt.id!r} is {ids.size} tokens "
                          f"with the chat template; MathTaskConfig.prompt_len = {self.prompt_len}")

@@ -66,8 +66,14 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
   P = Q + P  # decode slots follow the prefix and the prompt
   stops = jnp.asarray(config.stop_tokens, jnp.int32).reshape(-1)
 
-  def body(carry, t):
-    logits, caches, key_valid, done, rng = carry
+  # A while loop, not a scan: decoding stops once every row has stopped, so a call's
+  # time follows its longest response (which is what dispatch policies learn).
+  def cond(carry):
+    t, done = carry[0], carry[4]
+    return (t < N) & ~jnp.all(done)
+
+  def body(carry):
+    t, logits, caches, key_valid, done, rng, tokens, logps, lives = carry
     rng, sub = jax.random.split(rng)
     scaled = logits / config.temperature
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
@@ -82,11 +88,15 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     done = done | jnp.isin(token, stops)
     key_valid = key_valid.at[:, P + t].set(live)
     logits, caches = model.decode_step(token, start + t, caches, P + t, key_valid)
-    return (logits, caches, key_valid, done, rng), (token, logp, live)
+    tokens, logps, lives = (tokens.at[:, t].set(token), logps.at[:, t].set(logp),
+                            lives.at[:, t].set(live))
+    return t + 1, logits, caches, key_valid, done, rng, tokens, logps, lives
 
-  init = (logits, caches, key_valid, jnp.zeros((B,), bool), rng)
-  _, (tokens, logps, live) = jax.lax.scan(body, init, jnp.arange(N))
-  return tokens.T, logps.T, live.T.sum(axis=1)
+  init = (jnp.int32(0), logits, caches, key_valid, jnp.zeros((B,), bool), rng,
+          jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32), jnp.zeros((B, N), bool))
+  out = jax.lax.while_loop(cond, body, init)
+  tokens, logps, live = out[6:]
+  return tokens, logps, live.sum(axis=1)
 
 
 def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
