@@ -203,12 +203,16 @@ RUNS = {
     "constraint_preserving W=G/2": ["JobConfig.policy = 'constraint_preserving'",
                                     "JobConfig.window = 8"],
     "fifo W=G/2": ["JobConfig.policy = 'fifo'", "JobConfig.window = 8"],
+    "constraint_preserving+quota_aware W=G/2": ["JobConfig.policy = 'constraint_preserving'",
+                                                "JobConfig.window = 8",
+                                                "JobConfig.dispatch = 'quota_aware'"],
 }
 BASELINE_RUN = "train_batch W=2G"
 RUN_STYLE = {"colocated": ("k", "-"), "train_batch W=2G": ("tab:red", "-"),
              "constraint_preserving W=2G": ("tab:blue", ":"),
              "constraint_preserving W=G": ("tab:blue", "--"),
-             "constraint_preserving W=G/2": ("tab:blue", "-"), "fifo W=G/2": ("tab:gray", "-")}
+             "constraint_preserving W=G/2": ("tab:blue", "-"), "fifo W=G/2": ("tab:gray", "-"),
+             "constraint_preserving+quota_aware W=G/2": ("tab:cyan", "-")}
 
 
 def _subprocess(cmd, log_path, what):

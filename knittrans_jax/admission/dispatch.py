@@ -25,6 +25,7 @@ Interface (pure Python over metadata; the simulator and the job's controller):
 from __future__ import annotations
 
 import collections
+import math
 from typing import Mapping, Sequence
 
 import gin
@@ -89,51 +90,77 @@ class QuotaAware(Shuffled):
     self.min_samples, self.tolerance = min_samples, tolerance
     self._seen: dict[str, collections.deque] = {
         s: collections.deque(maxlen=memory) for s in sorted(set(self._block))}
+    self._sum = {s: 0.0 for s in self._seen}
+    self._left: collections.Counter | None = None  # sources left in the current block
+    self._sq = {s: 0.0 for s in self._seen}
 
   def estimate(self, source: str) -> float | None:
     """Expected dispatch-to-done seconds of a group of `source` (None: unknown)."""
     seen = self._seen[source]
     if len(seen) >= self.min_samples:
-      return float(np.mean(seen))
+      return self._sum[source] / len(seen)
     return self.prior_s.get(source)
 
   def _stderr(self, source: str) -> float:
     seen = self._seen[source]
-    if len(seen) < max(2, self.min_samples):
+    k = len(seen)
+    if k < max(2, self.min_samples):
       return 0.0  # the prior: taken as given
-    return float(np.std(seen, ddof=1) / np.sqrt(len(seen)))
+    mean = self._sum[source] / k
+    var = max(self._sq[source] / k - mean * mean, 0.0) * k / (k - 1)
+    return math.sqrt(var / k)
 
   def observe(self, source: str, seconds: float) -> None:
-    if source in self._seen and np.isfinite(seconds) and seconds >= 0:
-      self._seen[source].append(float(seconds))
+    if source in self._seen and math.isfinite(seconds) and seconds >= 0:
+      seen = self._seen[source]
+      if len(seen) == seen.maxlen:  # running sums over the last `memory` (O(1) a call)
+        old = seen[0]
+        self._sum[source] -= old
+        self._sq[source] -= old * old
+      seen.append(float(seconds))
+      self._sum[source] += seconds
+      self._sq[source] += seconds * seconds
 
   def next(self) -> str:
     self._refill()
-    left = set(self._queue)
+    q = self._queue
+    if self._left is None or sum(self._left.values()) != len(q):  # a new block (or restored)
+      self._left = collections.Counter(q)
+    left = [s for s, c in self._left.items() if c]
     est = {s: self.estimate(s) for s in left}
     if len(left) < 2 or any(e is None for e in est.values()):
-      return self._queue.pop()  # nothing known to order by: the shuffled order
+      return self._take(len(q) - 1)  # nothing known to order by: the shuffled order
     slowest = max(left, key=lambda s: (est[s], s))
     # Sources not clearly faster than the slowest (within `tolerance`, or within two
     # standard errors of the estimates) are alike: they keep their shuffled order.
     top, se = est[slowest], self._stderr(slowest)
     alike = {s for s in left if top <= est[s] * (1 + self.tolerance)
-             or top - est[s] <= 2 * np.hypot(se, self._stderr(s))}
-    if alike == left:
-      return self._queue.pop()
+             or top - est[s] <= 2 * math.hypot(se, self._stderr(s))}
+    if len(alike) == len(left):
+      return self._take(len(q) - 1)
     # The latest position in the queue pops first: the last entry of an alike source.
-    i = max(k for k, s in enumerate(self._queue) if s in alike)
-    return self._queue.pop(i)
+    i = len(q) - 1
+    while q[i] not in alike:
+      i -= 1
+    return self._take(i)
+
+  def _take(self, i: int) -> str:
+    source = self._queue.pop(i)
+    self._left[source] -= 1
+    return source
 
   def state(self) -> dict:
     return {**super().state(), "seen": {s: list(d) for s, d in self._seen.items()}}
 
   def restore(self, state: dict) -> None:
     super().restore(state)
+    self._left = None
     for s, values in state.get("seen", {}).items():
       if s in self._seen:
         self._seen[s].clear()
-        self._seen[s].extend(values)
+        self._sum[s] = self._sq[s] = 0.0
+        for v in values:
+          self.observe(s, v)
 
 
 def make_dispatch(name: str, spec, sources: Sequence[str], rng: np.random.Generator, **kwargs):
