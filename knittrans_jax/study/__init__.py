@@ -1,0 +1,1 @@
+"""Learning-quality studies: a grid of job configurations x seeds, and its statistics."""
