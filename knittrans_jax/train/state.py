@@ -41,6 +41,7 @@ def train_state_shapes(model_fn: Callable[[nnx.Rngs], nnx.Module],
                                  transform_non_params=lambda _: replicated(mesh))
   repl = replicated(mesh)
   shardings = TrainState(param_sh, opt_sh, repl, repl)
+
   def init():
     params = nnx.state(_build(model_fn, 0), nnx.Param)
     return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32),
@@ -52,14 +53,8 @@ def init_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gradi
                      mesh: Mesh, rules, seed: int = 0, params: nnx.State | None = None):
   """Returns (graphdef, state, state_shardings). `params` (e.g. a loaded checkpoint,
   already placed on the mesh) replace the random initial parameters."""
-  abstract = nnx.eval_shape(lambda: _build(model_fn, seed))
-  graphdef, abs_params = nnx.split(abstract, nnx.Param)
-  param_sh = logical_shardings(nnx.get_partition_spec(abs_params), mesh, rules)
-  abs_opt = jax.eval_shape(tx.init, abs_params)
-  opt_sh = optax.tree_map_params(tx, lambda _, s: s, abs_opt, param_sh,
-                                 transform_non_params=lambda _: replicated(mesh))
-  repl = replicated(mesh)
-  shardings = TrainState(param_sh, opt_sh, repl, repl)
+  graphdef, abstract, shardings = train_state_shapes(model_fn, tx, mesh, rules)
+  abs_params, param_sh = abstract.params, shardings.params
 
   def init(params):
     if params is None:
