@@ -73,15 +73,22 @@ def check_trained(workdir, expected_steps):
   return summary, recs
 
 
-def test_quota_aware_dispatch_in_the_job(tmp_path):
+def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
   """The job's workers are fed by the quota_aware dispatch: it learns each source's
-  completion time from finished groups and keeps every quota."""
+  completion time from finished groups and keeps every quota. The current policy is
+  evaluated on held-out prompts every 2 steps and after the last."""
   work = tmp_path / "run"
-  finish(start(work, "JobConfig.dispatch = 'quota_aware'", "QuotaAware.min_samples = 2"))
-  summary, _ = check_trained(work, 6)
+  finish(start(work, "JobConfig.dispatch = 'quota_aware'", "QuotaAware.min_samples = 2",
+               "EvalConfig.every_steps = 4", "EvalConfig.prompts_per_source = 4"))
+  summary, recs = check_trained(work, 6)
   est = summary["dispatch_estimates_s"]
   assert summary["dispatch"] == "quota_aware" and set(est) == {"nearest", "count", "chain"}
   assert all(v is not None and v > 0 for v in est.values()), est
+  evals = {r["step"]: r["eval"] for r in recs if "eval" in r}
+  assert sorted(evals) == [4, 6]
+  assert all(set(e) == {"greedy", "sampled"} and all(0 <= v <= 1 for v in e.values())
+             for e in evals.values())
+  assert summary["eval_last"] == evals[6]
 
 
 @pytest.mark.parametrize("mode,policy,data_path", [

@@ -42,7 +42,7 @@ class MetricsLog:
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
-           admitted_tokens: int | None = None) -> None:
+           admitted_tokens: int | None = None, evaluation: dict | None = None) -> None:
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -58,6 +58,7 @@ class MetricsLog:
         "clip_frac": sums.get("clip_frac", 0.0) / tokens, "grad_norm": grad_norm,
         "arch_staleness_mean": float(np.mean(np.maximum(arch, 0))),
         "trajectories": len(metas), "source_counts": dict(counts), "arch": arch,
+        **({"eval": evaluation} if evaluation else {}),
         "ids": [m.id for m in metas], "groups": [grp.group_id for grp in mb.groups],  # admission order
         "response_len": float(np.mean([m.response_len for m in metas])),
         # Loss tokens admitted but not trained (rows of a quarantined unit), all processes.
@@ -73,6 +74,8 @@ class MetricsLog:
       self.tb.add_scalar(f"train/{key}", rec[key], rec["step"])
     for source, r in rec["reward_by_source"].items():
       self.tb.add_scalar(f"reward/{source}", r, rec["step"])
+    for name, r in (evaluation or {}).items():
+      self.tb.add_scalar(f"eval/{name}", r, rec["step"])
 
   def postfix(self) -> dict:
     r = self.records[-1]
@@ -91,7 +94,9 @@ class MetricsLog:
     tenth = max(1, steps // 10)
     rewards = [r["reward"] for r in self.records]
     arch = np.maximum(np.asarray(self.arch or [0]), 0)
+    evals = [r["eval"] for r in self.records if r.get("eval")]
     return {
+        "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None,
         "reward_first": float(np.mean(rewards[:tenth])) if rewards else None,
         "reward_last": float(np.mean(rewards[-tenth:])) if rewards else None,
         "arch_staleness_mean": float(arch.mean()),

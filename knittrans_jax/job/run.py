@@ -40,6 +40,7 @@ from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.controller import Controller, JobStalled
 from knittrans_jax.job.distributed import PlanChannel, barrier
+from knittrans_jax.job.evaluation import EvalConfig, Evaluator
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
@@ -122,7 +123,7 @@ class Job:
       self.store = TrajectoryStore.open(self.store_url)
     self.trainer, progress = self._build_trainer(resume)
     self.trainers = TrainerGroup(self.trainer, PlanChannel(), self.workdir)
-    self.log = None
+    self.log, self.evaluator = None, None
     if self.controller_process:
       spec = cfg.spec
       self.planner = StepPlanner(
@@ -137,6 +138,15 @@ class Job:
                                   np.random.default_rng(cfg.seed))
       self.policy = policy
       self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.trainer.version)
+      eval_cfg = EvalConfig()
+      self.evaluator = None
+      if eval_cfg.every_steps:
+        if self.processes > 1:
+          raise ValueError("EvalConfig.every_steps: held-out evaluation runs in one trainer "
+                           f"process for now; this job has {self.processes}")
+        self.evaluator = Evaluator(
+            eval_cfg, self.graphdef, self.sampler_cfg, cfg.suite, self.sources, cfg.seed,
+            self.vit_cfg.image_size if self.vision else 0, self.math)
     # As t5x does: the operative config right after set-up, so a crashed run has it.
     gin_cli.save_operative_config(self.workdir)
 
@@ -355,7 +365,11 @@ class Job:
       sums, grad_norm = result.fetch()  # the step's one host round trip
       ctl.trained(mb)
       metas = [m for grp in mb.groups for m in grp.metas]
-      self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens)
+      evaluation = None
+      if self.evaluator is not None and self.evaluator.due(trainers.version, target):
+        evaluation = self.evaluator(self.trainer.state.params, trainers.version)
+      self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens,
+                    evaluation=evaluation)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:
