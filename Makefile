@@ -4,8 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-# Real sharding on CPU: 8 host devices in every test process.
-TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu
+# Real sharding on CPU: 8 host devices in every test process. The suite starts some
+# forty jobs and scripts that compile the same functions: a persistent compilation
+# cache (keyed by the computation, so a code change misses) compiles each once.
+TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
+	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 .PHONY: install run test bench store-demo clean
 
@@ -36,4 +39,4 @@ bench: install
 	$(PY) scripts/bench_store.py --json runs/bench_store.json
 
 clean:
-	rm -rf $(VENV) runs *.egg-info
+	rm -rf $(VENV) runs .cache *.egg-info
