@@ -12,6 +12,9 @@ staleness (simulator, configs/sim/paper_text.gin):
 runs (scripts/train.py, configs/text_grpo_tiny.gin; colocated and one run per policy):
   runs_staleness.png       CDF of measured architectural staleness per run
   learning_curves.png      reward per optimizer step per run
+learning (scripts/study.py, configs/study/staleness.gin; 5 seeds per configuration):
+  study_learning_curves.png  held-out reward of the current policy, mean and 95% band
+  study_dose_response.png    final reward against mean architectural staleness
 transfer (scripts/bench_transfer.py, text and vlm):
   transfer_latency.png     exposed and raw transfer latency, baseline vs on-demand
 multimodal (scripts/bench_multimodal.py):
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -302,6 +306,46 @@ def runs_figures(results: dict, out: str) -> dict:
   return results
 
 
+# -- learning: the study of staleness and learning quality (scripts/study.py) ------
+def learning(out: str, work: str, quick: bool) -> dict:
+  """Runs (or resumes) the study, copies its figures, returns the `learning` numbers."""
+  study_out = os.path.join(work, "study_quick" if quick else "study")
+  cmd = [sys.executable, "scripts/study.py", "--gin_file", "configs/study/staleness.gin",
+         "--out", study_out]
+  if quick:
+    cmd += ["--gin_bindings", "study.seeds = (0, 1)", "--gin_bindings", "study.train_batches = 15"]
+  os.makedirs(study_out, exist_ok=True)
+  _subprocess(cmd, os.path.join(study_out, "study.log"), "the learning study")
+  with open(os.path.join(study_out, "results.json")) as f:
+    res = json.load(f)
+  for name in ("learning_curves.png", "dose_response.png"):
+    if os.path.exists(os.path.join(study_out, name)):
+      shutil.copy(os.path.join(study_out, name), os.path.join(out, "study_" + name))
+  keep = ("seeds", "final_reward_mean", "final_reward_ci95", "arch_staleness_mean_mean",
+          "traj_per_s_mean", "traj_per_s_ci95", "steps_to_threshold_mean",
+          "steps_to_threshold_ci95", "train_s_to_threshold_mean", "reached_threshold",
+          "quota_violations", "gap_closed", "gap_closed_ci95")
+  configs = {}
+  for name, s in res["summary"].items():
+    c = {k: s[k] for k in keep if k in s}
+    c["arch_staleness_mean"] = c.pop("arch_staleness_mean_mean", None)
+    c["traj_per_s"] = c.pop("traj_per_s_mean", None)
+    configs[name] = c
+  return {"configurations": configs, "metric": res["metric"], "threshold": res["threshold"],
+          "baseline": res["baseline"], "reference": res["reference"],
+          "base_gin": res["base_gin"], "common_bindings": res["common_bindings"],
+          "dose_response": res["dose_response"] and {
+              k: res["dose_response"][k] for k in ("configurations", "slope", "intercept",
+                                                   "slope_ci95")},
+          "table": study_table(res), "study_wall_s": res["wall_s"]}
+
+
+def study_table(res) -> str:
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  import study
+  return study.table(res)
+
+
 # -- transfer: centralized baseline vs on-demand, text and vlm ------------------
 def transfer(out: str, work: str, quick: bool) -> dict:
   results = {}
@@ -500,7 +544,20 @@ def multimodal_section(m) -> list[str]:
   return lines
 
 
-SECTIONS = {"staleness": staleness_section, "runs": runs_section, "transfer": transfer_section,
+def learning_section(lr) -> list[str]:
+  return ["## Learning quality: does lower staleness narrow the gap to synchronous execution?",
+          "", f"`python scripts/study.py --gin_file configs/study/staleness.gin` (base "
+          f"`{lr['base_gin']}` with {', '.join(f'`{b}`' for b in lr['common_bindings'])}): "
+          "every configuration with every seed, one run at a time; final reward = mean held-out "
+          f"{lr['metric']} reward of the current policy over the last 10% of the steps. Gap "
+          f"closed: share of the `{lr['reference']}` vs `{lr['baseline']}` gap in final reward, "
+          "bootstrap over seeds. docs/learning.md reads it.", "",
+          "![learning](study_learning_curves.png)", "", lr["table"], "",
+          "![dose-response](study_dose_response.png)", ""]
+
+
+SECTIONS = {"staleness": staleness_section, "runs": runs_section, "learning": learning_section,
+            "transfer": transfer_section,
             "multimodal": multimodal_section}
 
 
@@ -521,7 +578,7 @@ def write_summary(out, numbers):
     f.write("\n".join(lines))
 
 
-GROUPS = ("staleness", "runs", "transfer", "multimodal")
+GROUPS = ("staleness", "runs", "learning", "transfer", "multimodal")
 
 
 def main():
@@ -563,6 +620,7 @@ def main():
   makers = {
       "staleness": lambda: staleness(args.out, sens),
       "runs": lambda: real_runs(args.out, os.path.abspath(args.work), batches),
+      "learning": lambda: learning(args.out, os.path.abspath(args.work), args.quick),
       "transfer": lambda: transfer(args.out, os.path.abspath(args.work), args.quick),
       "multimodal": lambda: multimodal(args.out, os.path.abspath(args.work), args.quick),
   }

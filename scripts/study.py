@@ -10,8 +10,16 @@ over if it has none. Runs go one at a time by default: each job already runs a
 trainer and its rollout workers on this machine's two cores, so two at once would
 time-share them and change the throughput being measured (`study.parallel`).
 
-Writes OUT/results.json (every run's summary fields and, per configuration, the mean
-and 95% bootstrap interval over seeds) and OUT/results.md.
+Every run is scored by the held-out evaluation of its current policy
+(job/evaluation.py; the base config must set EvalConfig.every_steps): final reward
+= mean `study.metric` evaluation reward over the last 10% of the steps; steps and
+training seconds to `study.threshold`. With `study.baseline` and `study.reference`
+named, each other configuration also gets the share of the reference-vs-baseline
+gap it closes (study/stats.gap_closed), with its interval.
+
+Writes OUT/results.json (every run's fields and curve; per configuration the mean
+and 95% bootstrap interval over seeds), OUT/results.md, OUT/learning_curves.png
+and, with `study.dose_configurations`, OUT/dose_response.png.
 """
 from __future__ import annotations
 
@@ -29,10 +37,14 @@ from tqdm import tqdm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from knittrans_jax import gin_cli  # noqa: E402
-from knittrans_jax.study.stats import bootstrap_ci  # noqa: E402
+from knittrans_jax.study import plots  # noqa: E402
+from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching, read_metrics  # noqa: E402
+from knittrans_jax.study.stats import bootstrap_ci, gap_closed, linear_fit  # noqa: E402
 
-FIELDS = ("reward_first", "reward_last", "arch_staleness_mean", "quota_violations", "wall_s",
-          "steps", "trajectories")
+FIELDS = ("reward_last", "arch_staleness_mean", "quota_violations", "wall_s", "eval_s", "steps",
+          "trajectories")
+PER_CONFIG = ("final_reward", "steps_to_threshold", "train_s_to_threshold", "arch_staleness_mean",
+              "traj_per_s", "reward_last")
 
 
 def run_dir(out: str, name: str, seed: int) -> str:
@@ -40,7 +52,7 @@ def run_dir(out: str, name: str, seed: int) -> str:
 
 
 def run_one(out: str, base_gin: str, name: str, bindings: list[str], seed: int,
-            common: list[str]) -> dict:
+            common: list[str], metric: str, threshold: float | None) -> dict:
   wd = run_dir(out, name, seed)
   summary = os.path.join(wd, "summary.json")
   if not os.path.exists(summary):
@@ -61,70 +73,136 @@ def run_one(out: str, base_gin: str, name: str, bindings: list[str], seed: int,
       raise RuntimeError(f"run {name!r} seed {seed} failed (exit {code}); {wd}.log ends:\n{tail}")
   with open(summary) as f:
     s = json.load(f)
-  row = {"configuration": name, "seed": seed, "workdir": wd,
-         **{k: s.get(k) for k in FIELDS}}
-  row["traj_per_s"] = s["trajectories"] / s["wall_s"] if s.get("wall_s") else None
+  row = {"configuration": name, "seed": seed, "workdir": wd, **{k: s.get(k) for k in FIELDS}}
+  # Throughput over training time: the held-out evaluation is not part of the system.
+  row["traj_per_s"] = s["trajectories"] / (s["wall_s"] - s.get("eval_s", 0.0))
+  curve = eval_curve(read_metrics(wd), metric)
+  row["curve"] = curve
+  row["final_reward"] = final_reward(curve, s["steps"])
+  hit = first_reaching(curve, threshold) if threshold is not None else None
+  row["steps_to_threshold"], row["train_s_to_threshold"] = hit if hit else (None, None)
   return row
 
 
-def aggregate(rows: list[dict], names: list[str]) -> dict:
+def aggregate(rows: list[dict], names: list[str], baseline: str | None,
+              reference: str | None) -> dict:
   out = {}
   for name in names:
     mine = [r for r in rows if r["configuration"] == name]
     entry = {"seeds": sorted(r["seed"] for r in mine)}
-    for key in ("reward_last", "arch_staleness_mean", "traj_per_s"):
+    for key in PER_CONFIG:
       values = [r[key] for r in mine if r[key] is not None]
       if values:
         entry[f"{key}_mean"] = sum(values) / len(values)
         entry[f"{key}_ci95"] = list(bootstrap_ci(values))
+    entry["reached_threshold"] = sum(r["steps_to_threshold"] is not None for r in mine)
     entry["quota_violations"] = sum(r["quota_violations"] or 0 for r in mine)
     out[name] = entry
+  if baseline and reference:
+    final = {n: [r["final_reward"] for r in rows if r["configuration"] == n] for n in names}
+    for name in names:
+      if name not in (baseline, reference):
+        share, ci = gap_closed(final[name], final[baseline], final[reference])
+        out[name]["gap_closed"], out[name]["gap_closed_ci95"] = share, list(ci)
   return out
+
+
+def dose_response(rows: list[dict], names) -> dict | None:
+  """Final reward against mean architectural staleness, every run a point."""
+  pts = [(r["arch_staleness_mean"], r["final_reward"]) for r in rows if r["configuration"] in names]
+  if len(pts) < 3 or len({x for x, _ in pts}) < 2:
+    print(f"dose-response: {len(pts)} runs over {len({x for x, _ in pts})} distinct staleness "
+          "values; no line to fit")
+    return None
+  slope, intercept, ci = linear_fit([x for x, _ in pts], [y for _, y in pts])
+  return {"configurations": list(names), "points": pts, "slope": slope, "intercept": intercept,
+          "slope_ci95": list(ci)}
 
 
 @gin.configurable
 def study(out: str, base_gin: str = "configs/text_grpo_tiny.gin",
           configurations: dict = gin.REQUIRED, seeds=(0, 1, 2, 3, 4), common_bindings=(),
-          parallel: int = 1) -> dict:
-  """configurations: {name: [gin bindings]}; every one runs with every seed."""
+          parallel: int = 1, metric: str = "sampled", threshold: float | None = None,
+          baseline: str | None = None, reference: str | None = None,
+          dose_configurations=(), train_batches: int | None = None) -> dict:
+  """configurations: {name: [gin bindings]}; every one runs with every seed.
+  baseline / reference: the configurations whose gap the others close (e.g.
+  'train_batch W=2G' and 'synchronous'). dose_configurations: the runs of the
+  dose-response fit (one policy across windows). train_batches: overrides the base
+  config's JobConfig.train_batches in every run (shorter studies)."""
   if not configurations:
     raise ValueError("study.configurations is empty: give {name: [gin bindings]}")
   if parallel < 1:
     raise ValueError(f"study.parallel = {parallel} must be >= 1")
   names = list(configurations)
+  for what, name in (("baseline", baseline), ("reference", reference),
+                     *(("dose_configurations", n) for n in dose_configurations)):
+    if name is not None and name not in configurations:
+      raise ValueError(f"study.{what} = {name!r} is not one of study.configurations {names}")
+  common = list(common_bindings)
+  if train_batches is not None:
+    common.append(f"JobConfig.train_batches = {train_batches}")
   grid = [(name, seed) for name in names for seed in seeds]
   t0 = time.perf_counter()
   rows = []
   with tqdm(total=len(grid), desc="study", unit="run") as bar, \
       concurrent.futures.ThreadPoolExecutor(parallel) as pool:
     futures = {pool.submit(run_one, out, base_gin, name, list(configurations[name]), seed,
-                           list(common_bindings)): (name, seed) for name, seed in grid}
+                           common, metric, threshold): (name, seed)
+               for name, seed in grid}
     for fut in concurrent.futures.as_completed(futures):
       rows.append(fut.result())
       bar.set_postfix(last=f"{futures[fut][0]}/seed{futures[fut][1]}")
       bar.update()
   rows.sort(key=lambda r: (names.index(r["configuration"]), r["seed"]))
-  result = {"base_gin": base_gin, "seeds": list(seeds), "common_bindings": list(common_bindings),
-            "configurations": {n: list(configurations[n]) for n in names},
-            "runs": rows, "summary": aggregate(rows, names),
+  result = {"base_gin": base_gin, "seeds": list(seeds), "common_bindings": common,
+            "configurations": {n: list(configurations[n]) for n in names}, "metric": metric,
+            "threshold": threshold, "baseline": baseline, "reference": reference,
+            "runs": rows, "summary": aggregate(rows, names, baseline, reference),
+            "dose_response": dose_response(rows, dose_configurations),
             "wall_s": time.perf_counter() - t0}
   os.makedirs(out, exist_ok=True)
   with open(os.path.join(out, "results.json"), "w") as f:
     json.dump(result, f, indent=1)
   with open(os.path.join(out, "results.md"), "w") as f:
     f.write(table(result))
+  plots.learning_curves(result, os.path.join(out, "learning_curves.png"))
+  if result["dose_response"]:
+    plots.dose_response(result, os.path.join(out, "dose_response.png"))
   print(table(result))
   return result
 
 
+def _ci(s: dict, key: str, fmt: str) -> str:
+  if f"{key}_mean" not in s:
+    return "n/a"
+  lo, hi = s[f"{key}_ci95"]
+  return f"{s[f'{key}_mean']:{fmt}} [{lo:{fmt}}, {hi:{fmt}}]"
+
+
 def table(result: dict) -> str:
-  lines = ["| configuration | seeds | final reward (mean, 95% CI) | mean max(a,0) | traj/s | "
-           "quota violations |", "| --- | --- | --- | --- | --- | --- |"]
+  thr = result.get("threshold")
+  lines = [f"| configuration | seeds | final {result.get('metric', 'sampled')} eval reward "
+           f"(mean, 95% CI) | steps to {thr} | train s to {thr} | gap closed | mean max(a,0) | "
+           "traj/s | quota violations |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, s in result["summary"].items():
-    ci = s.get("reward_last_ci95", [float("nan")] * 2)
-    lines.append(f"| {name} | {len(s['seeds'])} | {s.get('reward_last_mean', float('nan')):.3f} "
-                 f"[{ci[0]:.3f}, {ci[1]:.3f}] | {s.get('arch_staleness_mean_mean', float('nan')):.2f} | "
+    n = len(s["seeds"])
+    reached = f" ({s['reached_threshold']}/{n})" if thr is not None else ""
+    gap = "n/a"
+    if "gap_closed" in s:
+      lo, hi = s["gap_closed_ci95"]
+      gap = f"{s['gap_closed']:.2f} [{lo:.2f}, {hi:.2f}]"
+    lines.append(f"| {name} | {n} | {_ci(s, 'final_reward', '.3f')} | "
+                 f"{_ci(s, 'steps_to_threshold', '.0f')}{reached} | "
+                 f"{_ci(s, 'train_s_to_threshold', '.0f')} | {gap} | "
+                 f"{s.get('arch_staleness_mean_mean', float('nan')):.2f} | "
                  f"{s.get('traj_per_s_mean', float('nan')):.1f} | {s['quota_violations']} |")
+  d = result.get("dose_response")
+  if d:
+    lo, hi = d["slope_ci95"]
+    lines.append(f"\nDose-response over {', '.join(d['configurations'])} ({len(d['points'])} runs): "
+                 f"final reward = {d['intercept']:.3f} + {d['slope']:.4f} x mean staleness "
+                 f"(slope 95% CI [{lo:.4f}, {hi:.4f}]).")
   return "\n".join(lines) + "\n"
 
 

@@ -331,3 +331,28 @@ def test_colocated_resume_regenerates_the_batch_begun_after_the_checkpoint():
   for ver, mb in again.trained:
     assert all(grp.group_id > committed for grp in mb.groups)
     assert all(grp.version == (ver - 1) - mb.index for grp in mb.groups)
+
+
+def test_dispatch_learns_the_generation_time_a_pool_reports():
+  """A group's generation time, when the pool measures it, is what the dispatch
+  policy learns; otherwise its dispatch-to-done time on the controller's clock."""
+  seen = []
+
+  class Recording(PromptStream):
+    def observe(self, source, seconds):
+      seen.append((source, seconds))
+
+  class TimedPool(FakePool):
+    def poll(self, timeout):
+      return [Finished(ev.metas, 0.25 if ev.metas[0].group_id % 2 else None)
+              if isinstance(ev, Finished) else ev for ev in super().poll(timeout)]
+
+  now = [0.0]
+  sp = spec()
+  ctl = Controller(sp, make_policy("constraint_preserving", sp),
+                   Recording(sp, SOURCES, np.random.default_rng(0)), TimedPool(),
+                   ControllerState(), window=4, clock=lambda: now[0])
+  ctl.dispatch()
+  now[0] = 3.0
+  ctl.poll()
+  assert [s for _, s in seen] == [3.0, 0.25]  # group 0: measured here; group 1: reported

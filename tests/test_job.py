@@ -93,7 +93,8 @@ def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
 
 @pytest.mark.parametrize("mode,policy,data_path", [
     ("disaggregated", "constraint_preserving", "ondemand"),
-    ("colocated", "train_batch", "centralized")])
+    ("colocated", "train_batch", "centralized"),
+    ("synchronous", "train_batch", "ondemand")])
 def test_end_to_end(tmp_path, mode, policy, data_path):
   work = tmp_path / "run"
   remote = None
@@ -120,8 +121,14 @@ def test_end_to_end(tmp_path, mode, policy, data_path):
   assert summary["mode"] == mode and summary["policy"] == policy
   # The trainer reads through the on-demand PrefetchingReader: its timings are reported.
   assert summary["raw_transfer_s"] > 0 and summary["exposed_data_wait_s"] >= 0
-  if mode == "colocated":
+  if mode != "disaggregated":
     assert summary["arch_staleness_mean"] == 0 and all(a == 0 for r in recs for a in r["arch"])
+  if mode == "synchronous":  # the workers generated every train batch k with version k*M
+    store = TrajectoryStore.open("file://" + os.path.join(os.path.abspath(work), "store"))
+    metas = {m.id: m for m in store.list_committed()}
+    assert {i.split("/")[0] for r in recs for i in r["ids"]} <= {"worker0", "worker1"}
+    assert all(metas[i].version_first == r["train_batch"] * 2 for r in recs for i in r["ids"])
+  if mode == "colocated":
     # A second run into the same work dir, without --resume, is refused.
     proc = start(work, f"JobConfig.mode = '{mode}'")
     out, _ = proc.communicate(timeout=300)

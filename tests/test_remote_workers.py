@@ -15,8 +15,8 @@ def test_register_dispatch_report_and_stop(tmp_path):
   assert server.reports.get(timeout=5)[:2] == ("hello", 3)
   server.requests[3].put((11, "count"))  # the controller dispatches a group
   assert requests.get(timeout=5) == (11, "count")
-  reports.put(("done", 3, 11, []))  # the worker reports it
-  assert server.reports.get(timeout=5) == ("done", 3, 11, [])
+  reports.put(("done", 3, 11, [], 0.25))  # the worker reports it
+  assert server.reports.get(timeout=5) == ("done", 3, 11, [], 0.25)
   server.seen(3)
   assert server.alive() == [3] and server.silent() == []
   w2 = connect(str(tmp_path), timeout_s=5)[0]

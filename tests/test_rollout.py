@@ -8,6 +8,7 @@ from flax import nnx
 from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
 from knittrans_jax.rollout import tasks
+from knittrans_jax.rollout.groups import rollout_groups
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)
@@ -98,6 +99,32 @@ def test_random_policy_sees_reward_differences():
     rewards = [tasks.score(task, rng.integers(0, tasks.VOCAB_SIZE, 8)) for _ in range(64)]
     spread.append(np.std(rewards))
   assert min(spread) > 0
+
+
+def test_a_group_samples_the_same_however_groups_share_a_call():
+  """Response i of group g draws with key (seed, g, i): a worker's call of 2 groups
+  and the colocated reference's call of 6 give each group the same responses, so
+  the two execution modes differ in the weights they sample with, not the draws."""
+  with nnx.use_eager_sharding(False):
+    model = DecoderLM(CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  requests = [(g, tasks.SOURCES[g % 3]) for g in range(10, 16)]
+  cfg = SamplerConfig(max_new_tokens=8)
+  together = rollout_groups(graphdef, params, 0, 7, requests, 4, cfg)
+  apart = [grp for k in range(0, 6, 2)
+           for grp in rollout_groups(graphdef, params, 0, 7, requests[k:k + 2], 4, cfg)]
+  for a, b in zip(together, apart):
+    for x, y in zip(a.trajectories, b.trajectories):
+      assert x.group_id == y.group_id and x.reward == y.reward
+      np.testing.assert_array_equal(x.response_tokens, y.response_tokens)
+      np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+  # ... and different groups (and seeds) do draw differently.
+  other = rollout_groups(graphdef, params, 0, 8, requests, 4, cfg)
+  flat = lambda gs: [t.response_tokens.tolist() for g in gs for t in g.trajectories]  # noqa: E731
+  assert flat(other) != flat(together)
+  assert len({tuple(r) for r in flat(together)}) > 12
+  with pytest.raises(ValueError, match="one key or one per prompt"):
+    generate(graphdef, params, [np.array([2, 3], np.int32)] * 3, jax.random.split(jax.random.key(0), 2), cfg)
 
 
 def test_vlm_sampler_logprobs_match_the_training_forward():

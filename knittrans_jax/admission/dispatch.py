@@ -19,7 +19,8 @@ every train batch's quota, is unchanged by construction.
 
 Interface (pure Python over metadata; the simulator and the job's controller):
   next() -> source           the next group's source
-  observe(source, seconds)   a group of `source` took `seconds` from dispatch to done
+  observe(source, seconds)   a group of `source` took `seconds` to generate (the
+                             controller: the sampler call, else dispatch to done)
   state() / restore(state)   JSON-able, saved with the job's progress
 """
 from __future__ import annotations

@@ -9,12 +9,18 @@ import gin
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 
+MODES = ("disaggregated", "colocated", "synchronous")
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
-  """mode: 'disaggregated' (R worker processes, admission by `policy`) or
-  'colocated' (generate a train batch with the current weights, then train on it).
+  """mode: 'disaggregated' (R worker processes, admission by `policy`),
+  'colocated' (generate a train batch in the trainer process with the current
+  weights, then train on it) or 'synchronous' (the colocated schedule run by the
+  disaggregated code path: the same worker processes, sampler and data path, each
+  train batch dispatched only once the previous one is trained and its weights
+  published; the reference that differs from 'disaggregated' in staleness alone).
   window: groups dispatched but not yet trained (default 2G, one-step-off).
   micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
   seq_len: static sequence length of a train batch (prompt + response).
@@ -63,8 +69,8 @@ class JobConfig:
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
     object.__setattr__(self, "spec", spec)
-    if self.mode not in ("disaggregated", "colocated"):
-      raise ValueError(f"JobConfig.mode = {self.mode!r}: use 'disaggregated' or 'colocated'")
+    if self.mode not in MODES:
+      raise ValueError(f"JobConfig.mode = {self.mode!r}: use one of {MODES}")
     rows = spec.mini_batch_groups * spec.group_size
     if rows % self.micro_batch_size:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
@@ -95,7 +101,7 @@ class JobConfig:
       if self.groups_in_flight < need:
         raise ValueError(f"JobConfig.window = {self.groups_in_flight} groups in flight cannot "
                          f"hold {why} = {need} groups: nothing could ever be admitted")
-    if self.mode == "disaggregated" and (self.workers < 0 or (
+    if self.mode != "colocated" and (self.workers < 0 or (
         self.workers == 0 and not self.control_address)):
       raise ValueError(f"JobConfig.workers = {self.workers}: at least one local worker, unless "
                        "remote ones can join (JobConfig.control_address)")

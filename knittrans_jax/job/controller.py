@@ -44,6 +44,7 @@ class JobStalled(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Finished:
   metas: tuple[TrajMeta, ...]  # one committed group, every trajectory
+  seconds: float | None = None  # its generation time, if the pool measured it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +149,7 @@ class Controller:
         gid = ev.metas[0].group_id
         # A late or repeated report (a worker released, then heard from) changes nothing.
         if gid in st.window and not st.is_finished(gid):
-          self._finished(sorted(ev.metas, key=lambda m: m.index_in_group))
+          self._finished(sorted(ev.metas, key=lambda m: m.index_in_group), ev.seconds)
       elif isinstance(ev, Failed):
         if ev.group_id in st.window and not st.is_finished(ev.group_id):
           source = self.state.retire(ev.group_id, "failed")
@@ -158,11 +159,17 @@ class Controller:
         raise TypeError(f"unknown rollout event {ev!r}")
     return len(events)
 
-  def _finished(self, metas: list[TrajMeta]) -> None:
+  def _finished(self, metas: list[TrajMeta], seconds: float | None = None) -> None:
     self.state.finished(metas)
     sent = self._sent_at.pop(metas[0].group_id, None)
-    if sent is not None and hasattr(self.stream, "observe"):  # completion times teach dispatch
-      self.stream.observe(metas[0].source, self.clock() - sent)
+    # Completion times teach dispatch: the group's generation time where the pool
+    # measured it; dispatch-to-done otherwise. The first excludes the wait in a
+    # worker's queue, which the dispatch order itself sets (a source started first
+    # waits less and would look faster than it is).
+    if seconds is None and sent is not None:
+      seconds = self.clock() - sent
+    if seconds is not None and hasattr(self.stream, "observe"):
+      self.stream.observe(metas[0].source, seconds)
     before = len(self.policy.dropped)
     self.policy.finished(GroupInfo.from_metas(metas))
     if len(self.policy.dropped) == before:

@@ -39,10 +39,14 @@ class MetricsLog:
       self.batch_counts[r["train_batch"]].update(r["source_counts"])
     self.t0 = time.perf_counter()
     self.trajectories = sum(r["trajectories"] for r in self.records)
+    self.eval_s = 0.0  # wall time spent in held-out evaluation (this process)
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
-           admitted_tokens: int | None = None, evaluation: dict | None = None) -> None:
+           admitted_tokens: int | None = None, evaluation: dict | None = None,
+           eval_s: float = 0.0) -> None:
+    """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time."""
+    self.eval_s += eval_s
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
     tokens = max(sums.get("tokens", 0.0), 1.0)
@@ -64,7 +68,7 @@ class MetricsLog:
         # Loss tokens admitted but not trained (rows of a quarantined unit), all processes.
         "tokens_skipped": (int(round(admitted_tokens - sums.get("tokens", 0.0)))
                            if admitted_tokens is not None else 0),
-        "time_s": time.perf_counter() - self.t0,
+        "time_s": time.perf_counter() - self.t0, "eval_s": self.eval_s,
     }
     self.records.append(rec)
     with open(self.path, "a") as f:
@@ -104,5 +108,5 @@ class MetricsLog:
         "arch_staleness_p99": float(np.percentile(arch, 99)),
         "quota_violations": self.quota_violations(), "steps": steps,
         "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
-        "trajectories": self.trajectories, **extra,
+        "trajectories": self.trajectories, "eval_s": self.eval_s, **extra,
     }

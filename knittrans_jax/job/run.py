@@ -292,11 +292,11 @@ class Job:
     try:
       pool = self._pool()
       self.controller = Controller(cfg.spec, self.policy, self.stream, pool, self.progress,
-                                   window=cfg.groups_in_flight, colocated=cfg.mode == "colocated",
+                                   window=cfg.groups_in_flight, colocated=cfg.mode != "disaggregated",
                                    stall_timeout_s=cfg.stall_timeout_s)
       self.controller.resume(self.store.units(),
                              lambda unit, start: self.store.reader(unit).list(start=start))
-      if cfg.mode == "disaggregated":
+      if cfg.mode != "colocated":
         trainers.publish()  # the workers' first weights
       self._loop(target)
       if self.stop_requested:
@@ -365,17 +365,17 @@ class Job:
       sums, grad_norm = result.fetch()  # the step's one host round trip
       ctl.trained(mb)
       metas = [m for grp in mb.groups for m in grp.metas]
-      evaluation = None
+      evaluation, t_eval = None, time.perf_counter()
       if self.evaluator is not None and self.evaluator.due(trainers.version, target):
         evaluation = self.evaluator(self.trainer.state.params, trainers.version)
       self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens,
-                    evaluation=evaluation)
+                    evaluation=evaluation, eval_s=time.perf_counter() - t_eval)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:
         raise failure
-      if self.cfg.mode == "disaggregated":
-        trainers.publish()
+      if self.cfg.mode != "colocated":
+        trainers.publish()  # synchronous: before the next train batch is dispatched
       if trainers.save_due():
         trainers.save(ctl.progress())
 

@@ -101,10 +101,10 @@ class WorkerPool:
 
   def _handle(self, msg) -> list:
     if msg[0] == "done":
-      _, w, gid, metas = msg
+      _, w, gid, metas, seconds = msg
       if self.held.pop(gid, None) is None:
         return []  # already released (its worker was lost): reported from the store then
-      return [Finished(tuple(metas))]
+      return [Finished(tuple(metas), seconds)]
     if msg[0] in ("alive", "hello"):
       if msg[0] == "hello":
         self.log(f"\nremote rollout worker {msg[1]} joined from {msg[2]}")

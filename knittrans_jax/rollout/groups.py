@@ -9,6 +9,7 @@ suite needs its `MathSource` (config, tokenizer directory), passed as `math`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -64,6 +65,17 @@ def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_s
   return tasks.make_task(rng, source)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _group_keys(seed, group_ids, n):
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), group_ids)
+  return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
+
+
+def group_keys(seed: int, group_ids: list[int], n: int) -> jax.Array:
+  """One sampling key per response: [len(group_ids) * n], group-major."""
+  return _group_keys(np.uint32(seed), np.asarray(group_ids, np.uint32), n)
+
+
 @dataclasses.dataclass
 class RolledGroup:
   trajectories: list[Trajectory]
@@ -75,12 +87,13 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
                    image_size: int = 32, math: MathSource | None = None) -> list[RolledGroup]:
   """Generates n responses for each (group id, source) in one sampler call.
 
-  The sampling key depends on the seed and the first group id only, so a run is
-  reproducible for a given assignment of groups to calls.
+  Response i of group g samples with key (seed, g, i) (`group_keys`), so a group
+  comes out the same however groups are batched into calls: a worker's few, the
+  colocated reference's many (up to float reassociation in batched matmuls).
   """
   task_list = [task_for(seed, gid, source, suite, image_size, math) for gid, source in requests]
   prompts = [t.prompt for t in task_list for _ in range(n)]
-  rng = jax.random.fold_in(jax.random.key(seed), requests[0][0])
+  rng = group_keys(seed, [gid for gid, _ in requests], n)
   score = {"vision": vision_tasks.score, "text": tasks.score}.get(suite) or math.suite().score
   extra = {}
   if suite == "vision":

@@ -5,6 +5,11 @@ to the same cache slot; RoPE positions count real tokens only, so padding does n
 shift them. Returns the sampled tokens, the behaviour log-probs and the response
 lengths (up to and including the first stop token).
 
+Each row samples with its own key (`rng` may be one key per row), so a response is
+a function of its key and the weights alone, not of which other rows share the
+call: a group's responses come out the same from a worker's call of 4 groups and
+from the colocated reference's call of 16 (rollout/groups.py keys them by group id).
+
 Behaviour log-probs are those of the distribution actually sampled: log-softmax of
 logits / temperature, restricted to the top-p nucleus and renormalised when
 top_p < 1. The trainer's policy is the untruncated one at the same temperature
@@ -74,13 +79,14 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
 
   def body(carry):
     t, logits, caches, key_valid, done, rng, tokens, logps, lives = carry
-    rng, sub = jax.random.split(rng)
+    keys = jax.vmap(jax.random.split)(rng)  # [B, 2]: each row's own stream
+    rng, sub = keys[:, 0], keys[:, 1]
     scaled = logits / config.temperature
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
     if config.greedy:
       token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     else:
-      token = jax.random.categorical(sub, filtered, axis=-1).astype(jnp.int32)
+      token = jax.vmap(jax.random.categorical)(sub, filtered).astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
     live = ~done
     token = jnp.where(live, token, 0)
@@ -117,13 +123,17 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              ) -> list[tuple[np.ndarray, np.ndarray]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
 
-  For a VLM, `images` [U, H, W, C] are encoded once each and row i sees
+  `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images` [U, H, W, C] are encoded once each and row i sees
   images[image_index[i]]."""
   tokens, valid = left_pad(prompts, length=prompt_len)
   extra = {}
   if images is not None:
     index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
     extra = dict(images=jnp.asarray(images), image_index=jnp.asarray(index, jnp.int32))
+  if rng.shape == ():
+    rng = jax.random.split(rng, len(prompts))
+  if rng.shape != (len(prompts),):
+    raise ValueError(f"rng: one key or one per prompt ({len(prompts)}), got shape {rng.shape}")
   out_t, out_lp, lengths = jax.device_get(
       _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config, **extra))
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))

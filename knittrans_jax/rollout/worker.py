@@ -2,7 +2,9 @@
 metadata out. Picks up the newest published weights before each group.
 
 Messages: requests are (group_id, source); reports are ("done", worker, group_id,
-[TrajMeta]) or ("error", worker, message). A None request stops the worker.
+[TrajMeta], seconds) or ("error", worker, message); seconds is the sampler call that
+generated the group (its decode time, without the wait in this worker's queue; the
+dispatch policies learn from it). A None request stops the worker.
 """
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import time
 import traceback
 
 
@@ -60,11 +63,14 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       if params is None:
         raise RuntimeError("no published weights to generate with")
       image_size = vit_config.image_size if vit_config is not None else 0
-      for group in rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
-                                  suite, image_size, math):
+      t0 = time.perf_counter()
+      groups = rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
+                              suite, image_size, math)
+      seconds = time.perf_counter() - t0
+      for group in groups:
         # The group's image is stored once, however many responses share it.
         metas = writer.append(group.trajectories, images=group.images)  # committed, then reported
-        reports.put(("done", worker_id, group.trajectories[0].group_id, metas))
+        reports.put(("done", worker_id, group.trajectories[0].group_id, metas, seconds))
   except Exception:  # reported, then the process exits non-zero
     reports.put(("error", worker_id, traceback.format_exc()))
     raise

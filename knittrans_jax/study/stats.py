@@ -47,3 +47,24 @@ def gap_closed(policy: Sequence[float], baseline: Sequence[float], reference: Se
     return point, (float("nan"), float("nan"))
   lo, hi = np.percentile(boot, [50 * (1 - level), 50 * (1 + level)])
   return point, (float(lo), float(hi))
+
+
+def linear_fit(x: Sequence[float], y: Sequence[float], level: float = 0.95,
+               resamples: int = 10_000, seed: int = 0) -> tuple[float, float, tuple[float, float]]:
+  """Least-squares y = intercept + slope x, with a bootstrap interval of the slope
+  resampling (x, y) points (runs) together. Returns (slope, intercept, (lo, hi))."""
+  x, y = np.asarray(x, float), np.asarray(y, float)
+  if x.size != y.size or x.size < 3 or not (np.isfinite(x).all() and np.isfinite(y).all()):
+    raise ValueError(f"linear_fit needs >= 3 finite (x, y) pairs, got {x.size} and {y.size}")
+  if np.ptp(x) == 0:
+    raise ValueError(f"linear_fit: every x is {x[0]}; no slope to fit")
+  slope, intercept = np.polyfit(x, y, 1)
+  rng = np.random.default_rng(seed)
+  idx = rng.integers(0, x.size, (resamples, x.size))
+  xs, ys = x[idx], y[idx]
+  xm, ym = xs.mean(axis=1, keepdims=True), ys.mean(axis=1, keepdims=True)
+  sxx = ((xs - xm) ** 2).sum(axis=1)
+  ok = sxx > 0  # a resample of one repeated x has no slope
+  slopes = ((xs - xm) * (ys - ym)).sum(axis=1)[ok] / sxx[ok]
+  lo, hi = np.percentile(slopes, [50 * (1 - level), 50 * (1 + level)])
+  return float(slope), float(intercept), (float(lo), float(hi))
