@@ -1,0 +1,524 @@
+"""The Qwen2-VL and Qwen2.5-VL vision tower (patch embedding, 2-D rotary blocks,
+Qwen2.5-VL's windowed attention, the 2 x 2 patch merger) and its loading from a
+Hugging Face checkpoint's `visual.*` tensors.
+
+    tower, config = qwen_vision.load("/ckpt/Qwen2.5-VL-7B-Instruct")
+    tokens = tower(pixel_values, image_grid_thw)  # [patches / merge^2, out_width]
+
+`pixel_values` [num_patches, C*T*P*P] and `image_grid_thw` [num_images, 3] are what
+the image processor emits (models/qwen_image_processor.py or transformers'). The
+grid is host data: everything that depends on it (rotary positions, which patches
+attend to which, the window permutation) is computed with numpy, so under jit it
+is a static argument. The output is in transformers' order: image by image, each
+image's merged tokens in raster order over its (h / merge, w / merge) grid.
+
+Not wired into the decoder yet: the language side (M-RoPE) is a later step.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm import tqdm
+
+# The decoder loader's directory reader (single file, sharded index) and helpers.
+from knittrans_jax.models.hf import CheckpointError, _fill, _Tensors, read_config
+from knittrans_jax.models.layers import RMSNorm, dense, wide
+from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+NORMS = ("layernorm", "rmsnorm")
+MLPS = ("fc", "gated")
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+# transformers' ACT2FN entries the released vision configs use.
+ACTIVATIONS: dict[str, Callable] = {
+    "silu": jax.nn.silu,
+    "quick_gelu": lambda x: x * jax.nn.sigmoid(1.702 * x),
+    "gelu": functools.partial(jax.nn.gelu, approximate=False),
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVisionConfig:
+  """The vision tower of either family; defaults are Qwen2.5-VL-7B's.
+
+  Hugging Face names (vision_config): `width` is embed_dim (Qwen2-VL) or hidden_size
+  (Qwen2.5-VL); `out_width` is hidden_size (Qwen2-VL) or out_hidden_size (Qwen2.5-VL),
+  the language model's width; `mlp_width` is embed_dim * mlp_ratio or
+  intermediate_size; `merge` is spatial_merge_size; `full_attention_layers` is
+  fullatt_block_indexes. `window_size` (pixels) 0 means every layer attends over its
+  whole frame (Qwen2-VL); otherwise layers not in `full_attention_layers` attend
+  within windows of window_size / patch_size patches a side.
+  """
+  family: str = "qwen2_5_vl"
+  depth: int = 32
+  width: int = 1280
+  heads: int = 16
+  mlp_width: int = 3420
+  out_width: int = 3584
+  patch_size: int = 14
+  temporal_patch_size: int = 2
+  merge: int = 2
+  channels: int = 3
+  act: str = "silu"
+  norm: str = "rmsnorm"   # Qwen2-VL: 'layernorm' (with bias)
+  mlp: str = "gated"      # Qwen2-VL: 'fc' (fc1, act, fc2); Qwen2.5-VL: gate/up/down
+  window_size: int = 112
+  full_attention_layers: tuple[int, ...] = (7, 15, 23, 31)
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-6
+  dtype: str = "float32"
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
+    for name in ("depth", "width", "heads", "mlp_width", "out_width", "patch_size",
+                 "temporal_patch_size", "merge", "channels"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"QwenVisionConfig.{name} = {getattr(self, name)} must be positive")
+    for name, allowed in (("family", FAMILIES), ("norm", NORMS), ("mlp", MLPS),
+                          ("act", tuple(ACTIVATIONS)), ("dtype", DTYPES),
+                          ("param_dtype", DTYPES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"QwenVisionConfig.{name} = {getattr(self, name)!r} is not one of "
+                         f"{allowed}")
+    if self.width % self.heads or (self.width // self.heads) % 4:
+      # The 2-D rotary embedding gives a quarter of each head to rows, a quarter to columns.
+      raise ValueError(f"QwenVisionConfig: width {self.width} / heads {self.heads} must be a "
+                       "whole head dim divisible by 4")
+    if self.window_size < 0 or (self.window_size and self.window_units == 0):
+      raise ValueError(f"QwenVisionConfig.window_size = {self.window_size} must be 0 (no "
+                       f"windows) or at least patch_size * merge = {self.patch_size * self.merge}")
+    bad = [i for i in self.full_attention_layers if not 0 <= i < self.depth]
+    if bad:
+      raise ValueError(f"QwenVisionConfig.full_attention_layers {bad} are not layers of a "
+                       f"depth-{self.depth} tower")
+
+  @property
+  def head_dim(self) -> int:
+    return self.width // self.heads
+
+  @property
+  def patch_dim(self) -> int:
+    """One row of pixel_values: C * T * P * P."""
+    return self.channels * self.temporal_patch_size * self.patch_size ** 2
+
+  @property
+  def window_units(self) -> int:
+    """A window's side in merged tokens (transformers' vit_merger_window_size)."""
+    return self.window_size // self.merge // self.patch_size
+
+
+# -- host-side bookkeeping for one image_grid_thw ---------------------------------
+@dataclasses.dataclass(frozen=True)
+class PatchLayout:
+  """Where each patch goes, in the order the blocks see the patches (numpy).
+
+  order: [units] the merge units (merge x merge patches, consecutive in
+    pixel_values) in window order; the identity without windows.
+  positions: [patches, 2] each patch's (row, column) in its image's patch grid.
+  frames: [patches] one id per frame (a frame attends only to itself).
+  windows: [patches] one id per window (for the windowed layers).
+  """
+  order: np.ndarray
+  positions: np.ndarray
+  frames: np.ndarray
+  windows: np.ndarray
+
+  @property
+  def inverse(self) -> np.ndarray:
+    return np.argsort(self.order)
+
+
+def check_grid(config: QwenVisionConfig, image_grid_thw) -> np.ndarray:
+  """image_grid_thw as an int64 numpy [n, 3], or a ValueError naming what is wrong."""
+  try:
+    grid = np.asarray(image_grid_thw)
+  except jax.errors.TracerArrayConversionError:
+    raise ValueError("image_grid_thw must be concrete host ints (numpy or a tuple): the "
+                     "attention pattern depends on it; make it a static argument under jit"
+                     ) from None
+  if grid.ndim != 2 or grid.shape[1] != 3 or grid.shape[0] == 0 or \
+      not np.issubdtype(grid.dtype, np.integer):
+    raise ValueError(f"image_grid_thw has shape {grid.shape} and dtype {grid.dtype}; it must "
+                     "be integer (num_images, 3) rows of (t, h, w)")
+  m = config.merge
+  for i, (t, h, w) in enumerate(grid.tolist()):
+    if t < 1 or h < m or w < m or h % m or w % m:
+      raise ValueError(f"image_grid_thw[{i}] = {(t, h, w)}: t must be >= 1 and h, w "
+                       f"positive multiples of merge = {m}")
+  return grid.astype(np.int64)
+
+
+def patch_layout(config: QwenVisionConfig, image_grid_thw) -> PatchLayout:
+  """The layout transformers uses (get_vision_position_ids, get_vision_window_index),
+  as segment ids rather than cumulative lengths."""
+  grid = check_grid(config, image_grid_thw)
+  m, u, ws = config.merge, config.merge ** 2, config.window_units
+  keys, positions, frames = [], [], []
+  frame = 0
+  for image, (t, h, w) in enumerate(grid.tolist()):
+    # The processor lays each frame out block by block: merge blocks in raster order,
+    # the merge x merge patches of a block consecutive.
+    bh, bw = np.meshgrid(np.arange(h // m), np.arange(w // m), indexing="ij")
+    ih, iw = np.meshgrid(np.arange(m), np.arange(m), indexing="ij")
+    rows = (bh[:, :, None, None] * m + ih).reshape(-1)
+    cols = (bw[:, :, None, None] * m + iw).reshape(-1)
+    positions.append(np.tile(np.stack([rows, cols], -1), (t, 1)))
+    frames.append(np.repeat(np.arange(frame, frame + t), h * w))
+    frame += t
+    # A unit's window: (image, frame, window row, window column), then raster inside.
+    tt, bh, bw = (a.reshape(-1) for a in np.meshgrid(
+        np.arange(t), np.arange(h // m), np.arange(w // m), indexing="ij"))
+    wh, ww = (bh // ws, bw // ws) if ws else (0 * bh, 0 * bw)
+    keys.append(np.stack([np.full_like(tt, image), tt, wh, ww, bh, bw], -1))
+  keys = np.concatenate(keys)
+  frames = np.concatenate(frames)
+  if config.window_size:
+    order = np.lexsort(keys.T[::-1])  # sorts by image, frame, window, then position
+    win = keys[order, :4]
+    starts = np.r_[True, np.any(win[1:] != win[:-1], axis=1)]
+    windows = np.repeat(np.cumsum(starts) - 1, u)
+  else:
+    order = np.arange(len(keys))
+    windows = frames
+  patch_order = (order[:, None] * u + np.arange(u)).reshape(-1)
+  return PatchLayout(order=order, positions=np.concatenate(positions)[patch_order],
+                     frames=frames[patch_order], windows=windows)
+
+
+# -- layers --------------------------------------------------------------------------
+class LayerNorm(nnx.Module):
+  """LayerNorm with bias, normalising in float32 (or wider) like torch's on float32."""
+
+  def __init__(self, dim: int, eps: float = 1e-6, axis: str = "embed", param_dtype=jnp.float32):
+    self.scale = nnx.Param(nnx.with_partitioning(nnx.initializers.ones, (axis,))(
+        jax.random.key(0), (dim,), param_dtype))
+    self.bias = nnx.Param(nnx.with_partitioning(nnx.initializers.zeros, (axis,))(
+        jax.random.key(0), (dim,), param_dtype))
+    self.eps = eps
+
+  def __call__(self, x):
+    x32 = x.astype(wide(x.dtype))
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    y = (x32 - mean) * jax.lax.rsqrt(var + self.eps)
+    return (y * self.scale[...] + self.bias[...]).astype(x.dtype)
+
+
+def _norm(config: QwenVisionConfig, dim: int, pdt):
+  if config.norm == "layernorm":
+    return LayerNorm(dim, config.norm_eps, param_dtype=pdt)
+  return RMSNorm(dim, config.norm_eps, param_dtype=pdt)
+
+
+def rotate(x, cos, sin):
+  """Rotary embedding on [N, H, D] with per-patch angles' cos/sin [N, D/2]; the pairs
+  are (i, i + D/2) as in every Hugging Face model."""
+  dt = wide(x.dtype)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half].astype(dt), x[..., half:].astype(dt)
+  cos, sin = cos[:, None, :], sin[:, None, :]
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def rotary_angles(config: QwenVisionConfig, positions: np.ndarray) -> np.ndarray:
+  """[N, head_dim / 2] float32 angles: the first half of the rotated pairs turn with
+  the patch's row, the second half with its column, at the same frequencies."""
+  quarter = config.head_dim // 4
+  exponent = np.arange(quarter, dtype=np.float32) * 2 / np.float32(config.head_dim // 2)
+  inv_freq = (1.0 / np.float32(config.rope_theta) ** exponent).astype(np.float32)
+  pos = positions.astype(np.float32)
+  return np.concatenate([pos[:, :1] * inv_freq, pos[:, 1:] * inv_freq], axis=-1)
+
+
+class VisionAttention(nnx.Module):
+  """Bidirectional attention restricted to a segment (a frame or a window) per patch.
+  The checkpoint's fused qkv is split into q, k and v so each shards over 'heads'."""
+
+  def __init__(self, config: QwenVisionConfig, rngs: nnx.Rngs):
+    d, dt, pdt = config.width, jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    self.heads, self.head_dim = config.heads, config.head_dim
+    self.q = dense(rngs, d, d, ("embed", "heads"), dt, True, pdt)
+    self.k = dense(rngs, d, d, ("embed", "heads"), dt, True, pdt)
+    self.v = dense(rngs, d, d, ("embed", "heads"), dt, True, pdt)
+    self.o = dense(rngs, d, d, ("heads", "embed"), dt, True, pdt)
+
+  def __call__(self, x, segments, cos, sin):
+    N = x.shape[0]
+    q = rotate(self.q(x).reshape(N, self.heads, self.head_dim), cos, sin)
+    k = rotate(self.k(x).reshape(N, self.heads, self.head_dim), cos, sin)
+    v = self.v(x).reshape(N, self.heads, self.head_dim)
+    dt = wide(q.dtype)
+    # One [heads, N, N] score matrix over every patch of every image, masked to the
+    # block diagonal: simple and exact, but quadratic in the total patch count
+    # (transformers attends segment by segment, or uses flash-attention varlen).
+    scores = jnp.einsum("qhd,khd->hqk", q, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
+    allowed = segments[:, None] == segments[None, :]
+    scores = jnp.where(allowed[None], scores, jnp.finfo(dt).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    return self.o(jnp.einsum("hqk,khd->qhd", weights, v).reshape(N, -1))
+
+
+class VisionMLP(nnx.Module):
+  """Qwen2-VL's fc1 -> act -> fc2, or Qwen2.5-VL's gated down(act(gate) * up), with biases."""
+
+  def __init__(self, config: QwenVisionConfig, rngs: nnx.Rngs):
+    d, h = config.width, config.mlp_width
+    dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    self.act = ACTIVATIONS[config.act]
+    self.gated = config.mlp == "gated"
+    if self.gated:
+      self.gate = dense(rngs, d, h, ("embed", "mlp"), dt, True, pdt)
+      self.up = dense(rngs, d, h, ("embed", "mlp"), dt, True, pdt)
+      self.down = dense(rngs, h, d, ("mlp", "embed"), dt, True, pdt)
+    else:
+      self.fc1 = dense(rngs, d, h, ("embed", "mlp"), dt, True, pdt)
+      self.fc2 = dense(rngs, h, d, ("mlp", "embed"), dt, True, pdt)
+
+  def __call__(self, x):
+    if self.gated:
+      return self.down(self.act(self.gate(x)) * self.up(x))
+    return self.fc2(self.act(self.fc1(x)))
+
+
+class VisionBlock(nnx.Module):
+  def __init__(self, config: QwenVisionConfig, rngs: nnx.Rngs):
+    pdt = jnp.dtype(config.param_dtype)
+    self.norm1 = _norm(config, config.width, pdt)
+    self.norm2 = _norm(config, config.width, pdt)
+    self.attn = VisionAttention(config, rngs)
+    self.mlp = VisionMLP(config, rngs)
+
+  def __call__(self, x, segments, cos, sin):
+    x = x + self.attn(self.norm1(x), segments, cos, sin)
+    return x + self.mlp(self.norm2(x))
+
+
+class PatchMerger(nnx.Module):
+  """Norm each patch, concatenate each merge x merge block (consecutive patches), then
+  two layers with exact GELU up to the language model's width."""
+
+  def __init__(self, config: QwenVisionConfig, rngs: nnx.Rngs):
+    dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    cat = config.width * config.merge ** 2
+    self.norm = _norm(config, config.width, pdt)
+    self.fc1 = dense(rngs, cat, cat, (None, "mlp"), dt, True, pdt)
+    self.fc2 = dense(rngs, cat, config.out_width, ("mlp", "embed"), dt, True, pdt)
+    self.cat = cat
+
+  def __call__(self, x):
+    x = self.norm(x).reshape(-1, self.cat)
+    return self.fc2(jax.nn.gelu(self.fc1(x), approximate=False))
+
+
+class QwenVisionTower(nnx.Module):
+  """pixel_values [patches, C*T*P*P], image_grid_thw [images, 3] (host ints) ->
+  merged image tokens [patches / merge^2, out_width], in transformers' order."""
+
+  def __init__(self, config: QwenVisionConfig, rngs: nnx.Rngs):
+    self.config = config
+    dt, pdt = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+    # The checkpoint's Conv3d has stride = kernel, so it is one matmul per patch.
+    self.patch = dense(rngs, config.patch_dim, config.width, ("patch", "embed"), dt,
+                       param_dtype=pdt)
+    self.blocks = nnx.List([VisionBlock(config, rngs) for _ in range(config.depth)])
+    self.merger = PatchMerger(config, rngs)
+
+  def __call__(self, pixel_values, image_grid_thw):
+    cfg = self.config
+    grid = check_grid(cfg, image_grid_thw)
+    want = (int(np.sum(np.prod(grid, axis=1))), cfg.patch_dim)
+    if tuple(pixel_values.shape) != want:
+      raise ValueError(f"pixel_values has shape {tuple(pixel_values.shape)}; image_grid_thw "
+                       f"{grid.tolist()} needs {want} (sum of t*h*w patches, C*T*P*P = "
+                       f"{cfg.channels}*{cfg.temporal_patch_size}*{cfg.patch_size}*"
+                       f"{cfg.patch_size})")
+    layout = patch_layout(cfg, grid)
+    u = cfg.merge ** 2
+    x = self.patch(jnp.asarray(pixel_values, cfg.dtype))
+    windowed = bool(cfg.window_size)
+    if windowed:
+      x = x.reshape(-1, u, cfg.width)[layout.order].reshape(-1, cfg.width)
+    angles = jnp.asarray(rotary_angles(cfg, layout.positions))
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    frames, windows = jnp.asarray(layout.frames), jnp.asarray(layout.windows)
+    for i, block in enumerate(self.blocks):
+      full = not windowed or i in cfg.full_attention_layers
+      x = block(x, frames if full else windows, cos, sin)
+    out = self.merger(x)
+    return out[layout.inverse] if windowed else out
+
+
+# -- config.json and the checkpoint's visual.* tensors ----------------------------
+# transformers' Qwen2VLVisionConfig / Qwen2_5_VLVisionConfig defaults, for keys a
+# config.json leaves out (released Qwen2-VL configs have no hidden_act, for one).
+_HF_DEFAULTS = {
+    "qwen2_vl": dict(depth=32, embed_dim=1280, hidden_size=3584, hidden_act="quick_gelu",
+                     mlp_ratio=4, num_heads=16, in_channels=3, patch_size=14,
+                     spatial_merge_size=2, temporal_patch_size=2),
+    "qwen2_5_vl": dict(depth=32, hidden_size=3584, hidden_act="silu", intermediate_size=3420,
+                       num_heads=16, in_channels=3, patch_size=14, spatial_merge_size=2,
+                       temporal_patch_size=2, window_size=112, out_hidden_size=3584,
+                       fullatt_block_indexes=(7, 15, 23, 31)),
+}
+
+
+def config_from_hf(hf: dict[str, Any], **overrides) -> QwenVisionConfig:
+  """The vision tower's config from a Qwen2-VL / Qwen2.5-VL config.json dict (or its
+  vision_config alone); `overrides` (dtype, param_dtype, ...) win."""
+  vc = hf.get("vision_config", hf)
+  family = None
+  for mt in (hf.get("model_type"), vc.get("model_type")):
+    mt = (mt or "").removesuffix("_vision")
+    if mt in FAMILIES:
+      family = mt
+      break
+  if family is None:
+    raise CheckpointError(f"config.json: model_type={hf.get('model_type')!r} (vision_config "
+                          f"model_type={vc.get('model_type')!r}) is not one of {FAMILIES}")
+  v = {**_HF_DEFAULTS[family], **vc}
+  if "in_chans" in vc and "in_channels" not in vc:  # the released configs' older name
+    v["in_channels"] = vc["in_chans"]
+  rp = v.get("rope_parameters") or {}
+  kw = dict(family=family, depth=int(v["depth"]), heads=int(v["num_heads"]),
+            patch_size=int(v["patch_size"]), temporal_patch_size=int(v["temporal_patch_size"]),
+            merge=int(v["spatial_merge_size"]), channels=int(v["in_channels"]),
+            act=v["hidden_act"], rope_theta=float(rp.get("rope_theta", v.get("rope_theta", 1e4))))
+  if family == "qwen2_vl":
+    kw.update(width=int(v["embed_dim"]), mlp_width=int(v["embed_dim"] * v["mlp_ratio"]),
+              out_width=int(v["hidden_size"]), norm="layernorm", mlp="fc", window_size=0,
+              full_attention_layers=())
+  else:
+    kw.update(width=int(v["hidden_size"]), mlp_width=int(v["intermediate_size"]),
+              out_width=int(v["out_hidden_size"]), norm="rmsnorm", mlp="gated",
+              window_size=int(v["window_size"]),
+              full_attention_layers=tuple(int(i) for i in v["fullatt_block_indexes"]))
+  kw.update(overrides)
+  try:
+    return QwenVisionConfig(**kw)
+  except ValueError as e:
+    raise CheckpointError(f"config.json vision_config: {e}") from None
+
+
+# Our parameter path -> (tensor name under the visual prefix, how it is stored):
+# 'T' transposed (torch Linear), 'conv' the Conv3d kernel, 'qkv0/1/2' rows of the fused qkv.
+_BLOCK = {("attn", "o", "kernel"): ("attn.proj.weight", "T"),
+          ("attn", "o", "bias"): ("attn.proj.bias", None)}
+for _i, _p in enumerate("qkv"):
+  _BLOCK[("attn", _p, "kernel")] = ("attn.qkv.weight", f"qkv{_i}")
+  _BLOCK[("attn", _p, "bias")] = ("attn.qkv.bias", f"qkv{_i}")
+for _n in ("norm1", "norm2"):
+  _BLOCK[(_n, "scale")] = (f"{_n}.weight", None)
+  _BLOCK[(_n, "bias")] = (f"{_n}.bias", None)
+for _ours, _theirs in (("fc1", "fc1"), ("fc2", "fc2"), ("gate", "gate_proj"), ("up", "up_proj"),
+                       ("down", "down_proj")):
+  _BLOCK[("mlp", _ours, "kernel")] = (f"mlp.{_theirs}.weight", "T")
+  _BLOCK[("mlp", _ours, "bias")] = (f"mlp.{_theirs}.bias", None)
+_TOP = {("patch", "kernel"): ("patch_embed.proj.weight", "conv"),
+        ("merger", "norm", "scale"): ("merger.ln_q.weight", None),
+        ("merger", "norm", "bias"): ("merger.ln_q.bias", None),
+        ("merger", "fc1", "kernel"): ("merger.mlp.0.weight", "T"),
+        ("merger", "fc1", "bias"): ("merger.mlp.0.bias", None),
+        ("merger", "fc2", "kernel"): ("merger.mlp.2.weight", "T"),
+        ("merger", "fc2", "bias"): ("merger.mlp.2.bias", None)}
+# transformers 5 writes the original `visual.`; its in-memory module is `model.visual.`.
+PREFIXES = ("visual.", "model.visual.")
+
+
+def hf_source(path: tuple) -> tuple[str, str | None]:
+  """Our parameter path -> (tensor name without the prefix, how it is stored)."""
+  path = tuple(p.key if hasattr(p, "key") else getattr(p, "idx", p) for p in path)
+  if path[0] == "blocks":
+    name, how = _BLOCK[tuple(path[2:])]
+    return f"blocks.{int(path[1])}.{name}", how
+  return _TOP[path]
+
+
+def _stored_shape(config: QwenVisionConfig, shape: tuple[int, ...], how) -> tuple[int, ...]:
+  """The checkpoint tensor's shape for one of our parameters of `shape`."""
+  if how == "T":
+    return shape[::-1]
+  if how == "conv":
+    c = config
+    return (c.width, c.channels, c.temporal_patch_size, c.patch_size, c.patch_size)
+  if how and how.startswith("qkv"):
+    return (3 * shape[-1],) + shape[:-1][::-1]
+  return shape
+
+
+def _convert(data: np.ndarray, how) -> np.ndarray:
+  if how == "T":
+    return data.T
+  if how == "conv":
+    return data.reshape(data.shape[0], -1).T
+  if how and how.startswith("qkv"):
+    n = data.shape[0] // 3
+    part = data[int(how[3]) * n:(int(how[3]) + 1) * n]
+    return part.T if part.ndim == 2 else part
+  return data
+
+
+def abstract_tower(config: QwenVisionConfig):
+  with nnx.use_eager_sharding(False):
+    return nnx.eval_shape(lambda: QwenVisionTower(config, nnx.Rngs(0)))
+
+
+def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
+         **overrides) -> tuple[QwenVisionTower, QwenVisionConfig]:
+  """Loads the vision tower of a Qwen2-VL / Qwen2.5-VL directory onto the mesh.
+
+  Reads config.json's vision_config and the `visual.*` (or `model.visual.*`) tensors;
+  the language model's tensors are left alone. `dtype` sets parameters and
+  activations (pass `param_dtype` in `overrides` to keep parameters wider).
+  `mesh`/`rules` default to the gin MeshConfig over all devices. Raises
+  CheckpointError naming the tensor and both shapes on a mismatch, and any missing
+  or unexpected visual tensor."""
+  overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+  config = config_from_hf(read_config(path), **overrides)
+  if mesh is None:
+    mc = MeshConfig()
+    mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
+  tensors = _Tensors(path)
+  prefix = next((p for p in PREFIXES if any(n.startswith(p) for n in tensors.names)), None)
+  if prefix is None:
+    raise CheckpointError(f"{path}: no vision tensors (none named {' or '.join(PREFIXES)}*)")
+  graphdef, abs_params, rest = nnx.split(abstract_tower(config), nnx.Param, ...)
+  shardings = dict(nnx.to_flat_state(logical_shardings(nnx.get_partition_spec(abs_params),
+                                                       mesh, rules or ())))
+  flat = list(nnx.to_flat_state(abs_params))
+  wanted = {prefix + hf_source(p)[0] for p, _ in flat}
+  present = {n for n in tensors.names if n.startswith(prefix)}
+  missing, extra = sorted(wanted - present), sorted(present - wanted)
+  if missing:
+    raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}"
+                          f"{' ...' if len(missing) > 5 else ''} for the {config.family} "
+                          "vision config")
+  if extra:
+    raise CheckpointError(f"{path}: unexpected tensor(s) {extra[:5]}"
+                          f"{' ...' if len(extra) > 5 else ''} (not in the {config.family} "
+                          "vision tower this config.json describes)")
+  target = jnp.dtype(config.param_dtype)
+  values = {}
+  for p, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))} vision",
+                     unit="tensor", disable=None):
+    name, how = hf_source(p)
+    name = prefix + name
+    want = _stored_shape(config, tuple(var.shape), how)
+    if tensors.shape(name) != want:
+      raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}, the "
+                            f"config needs {want}")
+    # The tower is small next to the language model: each tensor is converted whole
+    # on the host, then each device takes its slice.
+    full = np.ascontiguousarray(_convert(np.asarray(tensors.tensor(name)), how)).astype(target)
+    sharding = shardings[p]
+    sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
+    values[p] = jax.make_array_from_callback(var.shape, sharding, lambda i, a=full: a[i])
+  return nnx.merge(graphdef, _fill(abs_params, values), rest), config
