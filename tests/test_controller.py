@@ -356,3 +356,9 @@ def test_dispatch_learns_the_generation_time_a_pool_reports():
   now[0] = 3.0
   ctl.poll()
   assert [s for _, s in seen] == [3.0, 0.25]  # group 0: measured here; group 1: reported
+  # A pool that times generation reports None for a call that compiled: not learned.
+  seen.clear()
+  ctl.pool.timed_generation = True
+  ctl.dispatch()
+  ctl.poll()
+  assert [s for _, s in seen] == [0.25]

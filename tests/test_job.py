@@ -75,14 +75,17 @@ def check_trained(workdir, expected_steps):
 
 def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
   """The job's workers are fed by the quota_aware dispatch: it learns each source's
-  completion time from finished groups and keeps every quota. The current policy is
-  evaluated on held-out prompts every 2 steps and after the last."""
+  generation time from finished groups (one group per worker call, the long
+  chain_long source of configs/text_grpo_tails.gin) and keeps every quota. The
+  current policy is evaluated on held-out prompts every 4 steps and after the last."""
   work = tmp_path / "run"
   finish(start(work, "JobConfig.dispatch = 'quota_aware'", "QuotaAware.min_samples = 2",
+               "TrainBatchSpec.source_quota = {'nearest': 3, 'count': 3, 'chain_long': 2}",
+               "JobConfig.groups_per_call = 1",
                "EvalConfig.every_steps = 4", "EvalConfig.prompts_per_source = 4"))
   summary, recs = check_trained(work, 6)
   est = summary["dispatch_estimates_s"]
-  assert summary["dispatch"] == "quota_aware" and set(est) == {"nearest", "count", "chain"}
+  assert summary["dispatch"] == "quota_aware" and set(est) == {"nearest", "count", "chain_long"}
   assert all(v is not None and v > 0 for v in est.values()), est
   evals = {r["step"]: r["eval"] for r in recs if "eval" in r}
   assert sorted(evals) == [4, 6]

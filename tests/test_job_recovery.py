@@ -149,3 +149,5 @@ def test_window_too_small_for_train_batch_admission_is_refused(tmp_path):
   with pytest.raises(ValueError, match="window = 6 .* G = 8"):
     JobConfig(spec=spec, policy="train_batch", window=6, micro_batch_size=8)
   JobConfig(spec=spec, policy="constraint_preserving", window=6, micro_batch_size=8)  # g = 4
+  with pytest.raises(ValueError, match="groups_per_call = 0"):
+    JobConfig(spec=spec, window=6, micro_batch_size=8, groups_per_call=0)

@@ -88,6 +88,13 @@ def test_task_scores():
       assert 0.0 <= r <= 1.0
   with pytest.raises(ValueError, match="unknown task source"):
     tasks.make_task(rng, "poetry")
+  # chain_long is the chain task with longer answers (configs/text_grpo_tails.gin).
+  lengths = {s: [tasks.make_task(rng, s).answer["L"] for _ in range(400)]
+             for s in ("chain", "chain_long")}
+  assert 6 <= min(lengths["chain_long"]) and max(lengths["chain_long"]) <= 15
+  assert np.median(lengths["chain_long"]) >= 2 * np.median(lengths["chain"])
+  long = tasks.Task("chain_long", np.array([]), {"a": 14, "L": 3})
+  assert tasks.score(long, np.array(want)) == pytest.approx(1.0)
 
 
 def test_random_policy_sees_reward_differences():

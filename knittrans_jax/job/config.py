@@ -30,6 +30,10 @@ class JobConfig:
   dispatch: the order groups start in (admission/dispatch.py): 'shuffled' (the data
     loader's quota-exact blocks in random order) or 'quota_aware' (within each
     block, the source whose groups take longest to complete first).
+  groups_per_call: the most queued groups a rollout worker generates in one sampler
+    call (each call decodes until its longest response stops). 1: each group
+    finishes on its own longest response, as in a continuous-batching engine,
+    so the sources' length differences show in completion times.
   checkpoint: a Hugging Face decoder directory (models/hf.py) the policy starts
     from; its config.json sets the architecture, DecoderConfig's dtype, param_dtype,
     remat and attention still apply. None: DecoderConfig, randomly initialised.
@@ -65,6 +69,7 @@ class JobConfig:
   stall_timeout_s: float = 600.0
   checkpoint: str | None = None
   dispatch: str = "shuffled"
+  groups_per_call: int = 4
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -92,6 +97,8 @@ class JobConfig:
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")
+    if self.groups_per_call < 1:
+      raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
     if self.stall_timeout_s <= 0:
       raise ValueError(f"JobConfig.stall_timeout_s = {self.stall_timeout_s} must be > 0")
     if self.mode == "disaggregated":

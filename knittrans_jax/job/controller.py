@@ -163,10 +163,11 @@ class Controller:
     self.state.finished(metas)
     sent = self._sent_at.pop(metas[0].group_id, None)
     # Completion times teach dispatch: the group's generation time where the pool
-    # measured it; dispatch-to-done otherwise. The first excludes the wait in a
+    # measures it (`timed_generation`; None then means not this group: its call also
+    # compiled); dispatch-to-done otherwise. The first excludes the wait in a
     # worker's queue, which the dispatch order itself sets (a source started first
     # waits less and would look faster than it is).
-    if seconds is None and sent is not None:
+    if seconds is None and sent is not None and not getattr(self.pool, "timed_generation", False):
       seconds = self.clock() - sent
     if seconds is not None and hasattr(self.stream, "observe"):
       self.stream.observe(metas[0].source, seconds)

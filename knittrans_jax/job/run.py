@@ -106,6 +106,9 @@ class Job:
       self.sampler_cfg = dataclasses.replace(
           self.sampler_cfg, stop_tokens=self.math.suite().tokenizer.stop_ids)
     self.sources = suite_sources(cfg.suite, self.math)
+    # The sources the job trains on: the quota's, or the whole suite without one.
+    quota = cfg.spec.source_quota
+    self.trained_sources = tuple(quota) if quota else self.sources
     self._check_model_and_tasks()
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
     if not resume and (self.ckpt.latest_step() is not None
@@ -145,7 +148,7 @@ class Job:
           raise ValueError("EvalConfig.every_steps: held-out evaluation runs in one trainer "
                            f"process for now; this job has {self.processes}")
         self.evaluator = Evaluator(
-            eval_cfg, self.graphdef, self.sampler_cfg, cfg.suite, self.sources, cfg.seed,
+            eval_cfg, self.graphdef, self.sampler_cfg, cfg.suite, self.trained_sources, cfg.seed,
             self.vit_cfg.image_size if self.vision else 0, self.math)
     # As t5x does: the operative config right after set-up, so a crashed run has it.
     gin_cli.save_operative_config(self.workdir)
@@ -270,7 +273,8 @@ class Job:
                       worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,
-                                       vit_config=self.vit_cfg, math=self.math))
+                                       vit_config=self.vit_cfg, math=self.math,
+                                       groups_per_call=cfg.groups_per_call))
 
   # -- the loop ---------------------------------------------------------------------------
   def run(self) -> dict:
@@ -326,7 +330,7 @@ class Job:
                                worker_restarts=getattr(pool, "restarts", 0),
                                dispatch=cfg.dispatch, dispatch_estimates_s={
                                    src: getattr(self.stream, "estimate", lambda _: None)(src)
-                                   for src in self.sources})
+                                   for src in self.trained_sources})
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     gin_cli.save_operative_config(self.workdir)

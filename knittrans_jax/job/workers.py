@@ -26,6 +26,7 @@ from knittrans_jax.storage import TrajectoryStore
 
 
 class WorkerPool:
+  timed_generation = True  # Finished.seconds: the worker's sampler call (job/controller.py)
 
   def __init__(self, workdir: str, store: TrajectoryStore, store_url: str, *, local: int,
                worker_args: dict, control_address: str | None = None, store_in_workdir=False,
@@ -55,7 +56,8 @@ class WorkerPool:
     p = self._ctx.Process(target=worker_main, daemon=True, args=(
         w, self.workdir, self.store_url, a["seed"], a["n"], a["model_config"],
         a["sampler_config"], self.requests[w], self.reports, self.stop),
-        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"], math=a.get("math")))
+        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"], math=a.get("math"),
+                    max_groups_per_call=a.get("groups_per_call", 4)))
     p.start()
     self.procs[w] = p
 

@@ -14,6 +14,9 @@ initialised policy already sees reward differences within a group.
   chain    (long-tailed)    prompt: BOS CHAIN a L SEP, L in 2..15 drawn with a long
            tail. Answer: the digits a, a+1, ... (mod 16), L of them, then EOS.
            reward = (correct digits among the first L) / L x exp(-|len - L| / 4).
+  chain_long  (long)        the chain task with L in 6..15 around 11: the long source
+           of configs/text_grpo_tails.gin, whose groups take several times as long
+           to decode as `nearest`'s (as a code or proof source does beside chat).
 """
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ import numpy as np
 PAD, EOS, BOS, NEAR, COUNT, CHAIN, SEP, X = 0, 1, 2, 3, 4, 5, 6, 7
 DIGIT0 = 16
 VOCAB_SIZE = 64
-SOURCES = ("nearest", "count", "chain")
+SOURCES = ("nearest", "count", "chain", "chain_long")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,9 +49,12 @@ def make_task(rng: np.random.Generator, source: str) -> Task:
   if source == "count":
     n = int(rng.integers(2, 10))
     return Task(source, np.array([BOS, COUNT, digit(n), SEP], np.int32), {"n": n})
-  if source == "chain":
+  if source in ("chain", "chain_long"):
     a = int(rng.integers(0, 16))
-    L = int(np.clip(np.round(rng.lognormal(np.log(4), 0.6)), 2, 15))
+    if source == "chain":
+      L = int(np.clip(np.round(rng.lognormal(np.log(4), 0.6)), 2, 15))
+    else:
+      L = int(np.clip(np.round(rng.lognormal(np.log(11), 0.25)), 6, 15))
     return Task(source, np.array([BOS, CHAIN, digit(a), digit(L), SEP], np.int32),
                 {"a": a, "L": L})
   raise ValueError(f"unknown task source {source!r}; choose one of {SOURCES}")
@@ -72,7 +78,7 @@ def score(task: Task, response: np.ndarray) -> float:
     n = task.answer["n"]
     xs = int(np.sum(body[:n] == X))
     return 0.5 * math.exp(-abs(body.size - n) / 3.0) + 0.5 * xs / n
-  if task.source == "chain":
+  if task.source in ("chain", "chain_long"):
     a, L = task.answer["a"], task.answer["L"]
     want = DIGIT0 + (a + np.arange(L)) % 16
     got = body[:L]

@@ -4,7 +4,8 @@ metadata out. Picks up the newest published weights before each group.
 Messages: requests are (group_id, source); reports are ("done", worker, group_id,
 [TrajMeta], seconds) or ("error", worker, message); seconds is the sampler call that
 generated the group (its decode time, without the wait in this worker's queue; the
-dispatch policies learn from it). A None request stops the worker.
+dispatch policies learn from it), None when that call also compiled the sampler. A
+None request stops the worker.
 """
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
     params, version = None, -1
+    compiled: set[int] = set()  # groups-per-call sizes the sampler has compiled for
     parent = multiprocessing.parent_process()
     while not stop.is_set():
       try:
@@ -66,7 +68,9 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       t0 = time.perf_counter()
       groups = rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
                               suite, image_size, math)
-      seconds = time.perf_counter() - t0
+      # A call of a new size compiled the sampler first: its time is not the group's.
+      seconds = time.perf_counter() - t0 if len(batch) in compiled else None
+      compiled.add(len(batch))
       for group in groups:
         # The group's image is stored once, however many responses share it.
         metas = writer.append(group.trajectories, images=group.images)  # committed, then reported
