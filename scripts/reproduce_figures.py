@@ -245,10 +245,22 @@ def _subprocess(cmd, log_path, what):
     raise RuntimeError(f"{what} failed (exit {code}); {log_path} ends:\n{tail}")
 
 
-def real_runs(out: str, work: str, train_batches: int) -> dict:
-  """The default text job once per admission policy and colocated, side by side."""
+def real_runs(out: str, work: str, train_batches: int, matching: str | None = None,
+              previous: dict | None = None) -> dict:
+  """The default text job once per admission policy and colocated, side by side.
+  `matching`: rerun only the runs whose name starts with it and keep the others'
+  numbers from `previous` (the figures are redrawn from all of them)."""
   results = {}
-  bar = tqdm(RUNS.items(), desc="tiny runs", unit="run")
+  if matching is not None:
+    if previous is None or previous.get("train_batches") != train_batches:
+      raise ValueError(f"--runs_matching {matching!r} keeps the other runs' numbers, but "
+                       f"figures/numbers.json has none at {train_batches} train batches")
+    results = {k: v for k, v in previous["policies"].items()
+               if k in RUNS and not k.startswith(matching)}
+  todo = {k: v for k, v in RUNS.items() if matching is None or k.startswith(matching)}
+  if not todo:
+    raise ValueError(f"--runs_matching {matching!r} matches none of {list(RUNS)}")
+  bar = tqdm(todo.items(), desc="tiny runs", unit="run")
   for name, bindings in bar:
     bar.set_postfix(run=name)
     wd = os.path.join(work, "runs", name.replace(" ", "_").replace("/", "_"))
@@ -260,6 +272,7 @@ def real_runs(out: str, work: str, train_batches: int) -> dict:
       cmd += ["--gin_bindings", b]
     _subprocess(cmd, wd + ".log", f"the {name} run")
     results[name] = run_result(wd)
+  results = {k: results[k] for k in RUNS if k in results}  # the table's order
   return {"train_batches": train_batches, "policies": runs_figures(results, out)}
 
 
@@ -622,6 +635,9 @@ def main():
                       help="where the runs and benchmark stores go (not committed)")
   parser.add_argument("--sensitivity_batches", type=int, default=None,
                       help="train batches per run in the sensitivity sweeps (default 10; quick 3)")
+  parser.add_argument("--runs_matching", default=None,
+                      help="runs group: rerun only the runs whose name starts with this "
+                      "(e.g. 'tails:'), keeping the others' numbers")
   parser.add_argument("--train_batches", type=int, default=None,
                       help="train batches per tiny run (default 100; quick 15)")
   args = parser.parse_args()
@@ -641,6 +657,7 @@ def main():
   numbers.setdefault("made", {})
   numbers.pop("wall_s", None)
   command = " ".join(["python scripts/reproduce_figures.py"] + (["--quick"] if args.quick else [])
+                     + ([f"--runs_matching '{args.runs_matching}'"] if args.runs_matching else [])
                      + ([f"--train_batches {args.train_batches}"] if args.train_batches else [])
                      + ([f"--sensitivity_batches {args.sensitivity_batches}"]
                         if args.sensitivity_batches else []))
@@ -648,7 +665,8 @@ def main():
   batches = args.train_batches or (15 if args.quick else 100)
   makers = {
       "staleness": lambda: staleness(args.out, sens),
-      "runs": lambda: real_runs(args.out, os.path.abspath(args.work), batches),
+      "runs": lambda: real_runs(args.out, os.path.abspath(args.work), batches,
+                                args.runs_matching, numbers.get("runs")),
       "learning": lambda: learning(args.out, os.path.abspath(args.work), args.quick),
       "transfer": lambda: transfer(args.out, os.path.abspath(args.work), args.quick),
       "multimodal": lambda: multimodal(args.out, os.path.abspath(args.work), args.quick),
