@@ -1,6 +1,7 @@
 """The decoder-only transformer: the tiny default and the Qwen2/2.5, Qwen3 and Llama 3
 families in one config (GQA, q/k/v bias, per-head q/k norm, tied embeddings, Llama 3
-RoPE scaling). Real checkpoints load through knittrans_jax/models/hf.py."""
+RoPE scaling, Qwen2-VL's M-RoPE). Real checkpoints load through knittrans_jax/models/hf.py
+(and models/qwen_vl.py for Qwen2-VL / Qwen2.5-VL)."""
 from __future__ import annotations
 
 import dataclasses
@@ -31,6 +32,8 @@ class DecoderConfig:
   `dtype` is the activation (compute) dtype, `param_dtype` the stored parameters'.
   `kv_heads` 0 means as many as `heads`; `head_dim` 0 means width // heads.
   `family` names the Hugging Face format `hf.save` writes ('toy' is written as Llama).
+  `mrope_section` (Qwen2-VL's M-RoPE, e.g. (16, 24, 24), summing to head dim / 2) lets
+  the forward take (temporal, height, width) positions [3, B, T]; empty is plain RoPE.
   """
   vocab_size: int = 256
   width: int = 128
@@ -55,8 +58,10 @@ class DecoderConfig:
   remat: str = "none"
   attention: str = "einsum"
   family: str = "toy"
+  mrope_section: tuple[int, ...] = ()
 
   def __post_init__(self):
+    object.__setattr__(self, "mrope_section", tuple(self.mrope_section))  # gin gives lists
     for name in ("vocab_size", "width", "depth", "heads", "mlp_width", "max_positions"):
       if getattr(self, name) <= 0:
         raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)} must be positive")
@@ -78,6 +83,10 @@ class DecoderConfig:
                                           self.rope_high_freq_factor > self.rope_low_freq_factor > 0):
       raise ValueError(f"DecoderConfig: llama3 RoPE needs factor > 0 and high_freq_factor "
                        f"{self.rope_high_freq_factor} > low_freq_factor {self.rope_low_freq_factor} > 0")
+    if self.mrope_section and (min(self.mrope_section) <= 0 or
+                               sum(self.mrope_section) != self.dim_per_head // 2):
+      raise ValueError(f"DecoderConfig.mrope_section = {self.mrope_section} must be positive and "
+                       f"sum to head dim / 2 = {self.dim_per_head // 2}")
 
   @property
   def num_kv_heads(self) -> int:
@@ -93,7 +102,7 @@ class DecoderConfig:
     if self.rope_type == "llama3":
       scaling = (self.rope_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
                  self.rope_original_max_positions)
-    return Rope(self.rope_theta, scaling)
+    return Rope(self.rope_theta, scaling, self.mrope_section)
 
 
 class DecoderLM(nnx.Module):
@@ -102,6 +111,11 @@ class DecoderLM(nnx.Module):
   `attention_mask` [B, T] marks real (non-padding) tokens. A prefix (e.g. projected
   image embeddings) is placed before the tokens and attended to by every token;
   logits are returned for the token positions only.
+
+  By default RoPE positions count the real tokens from 0. `positions` overrides them
+  ([B, T'], or [3, B, T'] with `mrope_section`; T' counts the prefix too), and
+  `embeds` [B, T, width] replaces embed(tokens) (a Qwen2-VL prompt with the image
+  embeddings scattered in: models/qwen_vl.py).
   """
 
   def __init__(self, config: DecoderConfig, rngs: nnx.Rngs):
@@ -138,8 +152,9 @@ class DecoderLM(nnx.Module):
       x = run(block, x)
     return x
 
-  def __call__(self, tokens, attention_mask, prefix=None, prefix_mask=None):
-    x = self.embed(tokens)
+  def __call__(self, tokens, attention_mask, prefix=None, prefix_mask=None, *, positions=None,
+               embeds=None):
+    x = self.embed(tokens) if embeds is None else embeds
     valid = attention_mask.astype(bool)
     if prefix is not None:
       P = prefix.shape[1]
@@ -152,22 +167,25 @@ class DecoderLM(nnx.Module):
     T = x.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = causal[None] & valid[:, None, :]
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     x = self._run_blocks(x, mask, positions)
     return self._logits(x[:, P:])
 
   # -- incremental decoding (the rollout sampler) -----------------------------
-  def prefill(self, tokens, valid, capacity: int, prefix=None):
+  def prefill(self, tokens, valid, capacity: int, prefix=None, *, positions=None, embeds=None):
     """Runs the prompt; returns the last position's logits and a KV cache of
     `capacity` positions per layer. Prompts are left-padded (`valid` False on pads).
-    A prefix [B, Q, width] (image embeddings) fills cache slots 0..Q-1, as in training."""
-    x = self.embed(tokens)
+    A prefix [B, Q, width] (image embeddings) fills cache slots 0..Q-1, as in training.
+    `positions` and `embeds` as in __call__."""
+    x = self.embed(tokens) if embeds is None else embeds
     if prefix is not None:
       x = jnp.concatenate([prefix.astype(x.dtype), x], axis=1)
       valid = jnp.concatenate([jnp.ones(prefix.shape[:2], bool), valid], axis=1)
     B, T = x.shape[:2]
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
-    positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
+    if positions is None:
+      positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     caches = []
     for block in self.blocks:
       x, (k, v) = block(x, mask, positions)
@@ -176,11 +194,12 @@ class DecoderLM(nnx.Module):
     return self._logits(x[:, -1:])[:, 0], caches
 
   def decode_step(self, token, position, caches, index, key_valid):
-    """One token per row at cache slot `index`; `key_valid` [B, S] marks filled slots."""
+    """One token per row at cache slot `index`; `key_valid` [B, S] marks filled slots.
+    `position` [B] (or [3, B] with M-RoPE) is the token's RoPE position."""
     x = self.embed(token[:, None])
     mask = key_valid[:, None, :]
     new = []
     for block, cache in zip(self.blocks, caches):
-      x, kv = block(x, mask, position[:, None], cache, index)
+      x, kv = block(x, mask, position[..., None], cache, index)
       new.append(kv)
     return self._logits(x)[:, 0], new

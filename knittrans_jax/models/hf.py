@@ -94,6 +94,9 @@ def hf_family(config: DecoderConfig) -> str:
 
 
 def config_to_hf(config: DecoderConfig, dtype: str, **extra) -> dict[str, Any]:
+  if config.mrope_section:  # Qwen2-VL's language model: its format is the whole VLM's
+    raise CheckpointError(f"DecoderConfig with mrope_section {config.mrope_section} (a Qwen2-VL "
+                          "language model) cannot be written as a text-only checkpoint")
   fam = hf_family(config)
   if fam == "qwen2" and (not config.qkv_bias or config.qk_norm):
     raise CheckpointError("family 'qwen2' needs qkv_bias=True and qk_norm=False")
@@ -211,6 +214,16 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   shapes on any mismatch, and any missing or unexpected tensor."""
   overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
   config = config_from_hf(read_config(path), **overrides)
+  return load_weights(path, config, mesh=mesh, rules=rules), config
+
+
+def load_weights(path: str, config: DecoderConfig, *, mesh=None, rules=None,
+                 prefix: str = "model.", owns=None) -> DecoderLM:
+  """A DecoderLM of `config` with the parameters of the checkpoint directory `path`
+  (see `load`). A VLM's language model: `prefix` replaces the 'model.' of the tensor
+  names (e.g. 'model.language_model.'), and `owns(name)` says which of the
+  directory's tensors are the decoder's (the others, a vision tower's, are left
+  alone); by default all are."""
   if mesh is None:
     mc = MeshConfig()
     mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
@@ -218,9 +231,14 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   graphdef, abs_params, rest = nnx.split(abstract_model(config), nnx.Param, ...)
   shardings = logical_shardings(nnx.get_partition_spec(abs_params), mesh, rules or ())
 
+  def name_of(p):
+    name, transposed = hf_name(p)
+    return (prefix + name.removeprefix("model.") if name.startswith("model.") else name,
+            transposed)
+
   flat = list(nnx.to_flat_state(abs_params))
-  wanted = {hf_name(p)[0]: p for p, _ in flat}
-  present = {n for n in tensors.names if not _IGNORED.match(n)}
+  wanted = {name_of(p)[0]: p for p, _ in flat}
+  present = {n for n in tensors.names if not _IGNORED.match(n) and (owns is None or owns(n))}
   if config.tie_embeddings:  # some exporters write the tied head too; it is the embedding
     present.discard("lm_head.weight")
   missing = sorted(set(wanted) - present)
@@ -237,7 +255,7 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   values = {}
   for p, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}",
                      unit="tensor", disable=None):
-    name, transposed = hf_name(p)
+    name, transposed = name_of(p)
     src = tensors.shape(name)
     want = tuple(var.shape[::-1] if transposed else var.shape)
     if src != want:
@@ -250,8 +268,7 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
       part = data[tuple(reversed(index))].T if transposed else data[index]
       return np.asarray(part).astype(target)  # reads only this slice's bytes
     values[p] = jax.make_array_from_callback(var.shape, sharding, read)
-  model = nnx.merge(graphdef, _fill(abs_params, values), rest)
-  return model, config
+  return nnx.merge(graphdef, _fill(abs_params, values), rest)
 
 
 def _fill(abs_params, values):

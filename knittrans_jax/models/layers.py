@@ -48,9 +48,11 @@ class RMSNorm(nnx.Module):
 @dataclasses.dataclass(frozen=True)
 class Rope:
   """Rotary embedding settings; `llama3` is Llama 3.1's frequency rescaling as
-  (factor, low_freq_factor, high_freq_factor, original_max_positions)."""
+  (factor, low_freq_factor, high_freq_factor, original_max_positions);
+  `mrope_section` Qwen2-VL's multimodal split of the frequencies (see `rope`)."""
   theta: float = 10000.0
   llama3: tuple[float, float, float, int] | None = None
+  mrope_section: tuple[int, ...] = ()
 
   def inv_freq(self, head_dim: int) -> np.ndarray:
     # float32 like transformers, so loaded checkpoints match it to rounding.
@@ -67,11 +69,25 @@ class Rope:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
+         mrope_section: tuple[int, ...] = ()) -> jax.Array:
   """Rotary position embedding on [B, T, H, D] at integer positions [B, T]; the
-  rotated pairs are (i, i + D/2), the Hugging Face (GPT-NeoX) convention."""
+  rotated pairs are (i, i + D/2), the Hugging Face (GPT-NeoX) convention.
+
+  M-RoPE (Qwen2-VL): positions [3, B, T] are (temporal, height, width) positions, and
+  the D/2 frequencies are cut into consecutive groups of `mrope_section` sizes, group
+  i turning with positions[i % 3]. Text tokens have three equal positions, which is
+  plain RoPE, so [B, T] positions are accepted with M-RoPE too."""
   dt = wide(x.dtype)
-  angle = positions[..., None].astype(dt) * jnp.asarray(inv_freq, dt)  # [B, T, D/2]
+  if positions.ndim == 3:
+    if sum(mrope_section) != len(inv_freq):
+      raise ValueError(f"rope: positions of shape {positions.shape} need an mrope_section "
+                       f"summing to {len(inv_freq)} (head dim / 2), got {mrope_section}")
+    which = np.repeat(np.arange(len(mrope_section)) % 3, mrope_section)  # [D/2] -> t, h or w
+    positions = jnp.moveaxis(positions, 0, -1)[..., which]  # [B, T, D/2]
+    angle = positions.astype(dt) * jnp.asarray(inv_freq, dt)
+  else:
+    angle = positions[..., None].astype(dt) * jnp.asarray(inv_freq, dt)  # [B, T, D/2]
   cos, sin = jnp.cos(angle)[:, :, None, :], jnp.sin(angle)[:, :, None, :]
   half = x.shape[-1] // 2
   x1, x2 = x[..., :half].astype(dt), x[..., half:].astype(dt)
@@ -101,6 +117,7 @@ class Attention(nnx.Module):
       raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
     self.heads, self.kv_heads, self.head_dim, self.impl = heads, kv_heads, head_dim, impl
     self.inv_freq = None if rope is None else tuple(rope.inv_freq(head_dim).tolist())
+    self.mrope_section = () if rope is None else tuple(rope.mrope_section)
     kw = dict(param_dtype=param_dtype)
     self.q = dense(rngs, dim, heads * head_dim, ("embed", "heads"), dtype, qkv_bias, **kw)
     self.k = dense(rngs, dim, kv_heads * head_dim, ("embed", "heads"), dtype, qkv_bias, **kw)
@@ -121,7 +138,8 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     if self.inv_freq is not None:
       inv = np.asarray(self.inv_freq, np.float32)
-      q, k = rope(q, positions, inv), rope(k, positions, inv)
+      q, k = (rope(q, positions, inv, self.mrope_section),
+              rope(k, positions, inv, self.mrope_section))
     return q, k, v
 
   def _attend(self, q, k, v, mask):

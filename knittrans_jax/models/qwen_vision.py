@@ -12,7 +12,8 @@ attend to which, the window permutation) is computed with numpy, so under jit it
 is a static argument. The output is in transformers' order: image by image, each
 image's merged tokens in raster order over its (h / merge, w / merge) grid.
 
-Not wired into the decoder yet: the language side (M-RoPE) is a later step.
+The whole model (this tower, the decoder with M-RoPE, image embeddings at the
+image-pad tokens) is models/qwen_vl.py.
 """
 from __future__ import annotations
 

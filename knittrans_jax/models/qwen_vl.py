@@ -1,0 +1,282 @@
+"""Qwen2-VL and Qwen2.5-VL: the vision tower (models/qwen_vision.py) and the decoder
+with M-RoPE (models/decoder.py), loaded from a Hugging Face checkpoint directory.
+
+    model, config = qwen_vl.load("/ckpt/Qwen2.5-VL-7B-Instruct", dtype="bfloat16")
+    positions, rope_delta = qwen_vl.mrope_positions(input_ids, image_grid_thw, config, mask)
+    logits = model(input_ids, mask, pixel_values, image_grid_thw, positions=positions)
+
+A prompt holds one run of image-pad tokens (`image_token_id`, between
+<|vision_start|> and <|vision_end|>) per image, as many as the image has merged
+patches; the tower's merged embeddings replace those rows, image by image in
+row-major order over the batch (transformers' masked_scatter). Positions are
+(temporal, height, width) triples: an image's tokens sit on its merged grid from
+the position where the image starts, and the text after it continues from that
+start + max(h, w) / merge (transformers' get_rope_index). They depend on the token
+ids and image_grid_thw, which are host data, so `mrope_positions` is numpy and
+under jit the positions come in as an argument.
+
+Decoding continues text positions: a new token's position is the row's count of
+real tokens so far plus the row's rope delta (max prompt position + 1 - prompt
+length), which the cache returned by `prefill` carries, so `decode_step` keeps the
+decoder's signature. Videos are not supported.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from knittrans_jax.models import hf
+from knittrans_jax.models import qwen_vision as qv
+from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
+from knittrans_jax.models.hf import CheckpointError, read_config
+from knittrans_jax.train.mesh import MeshConfig, make_mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVLConfig:
+  """The language model (a Qwen2 decoder with `mrope_section`), the vision tower, and
+  the id of the image-pad token the tower's outputs replace."""
+  text: DecoderConfig
+  vision: qv.QwenVisionConfig
+  image_token_id: int = 151655
+
+  def __post_init__(self):
+    if not self.text.mrope_section:
+      raise ValueError("QwenVLConfig: the text config needs an mrope_section (M-RoPE)")
+    if self.vision.out_width != self.text.width:
+      raise ValueError(f"QwenVLConfig: the vision tower's out_width {self.vision.out_width} is "
+                       f"not the language model's width {self.text.width}")
+    if not 0 <= self.image_token_id < self.text.vocab_size:
+      raise ValueError(f"QwenVLConfig.image_token_id = {self.image_token_id} is not in the "
+                       f"vocabulary of {self.text.vocab_size}")
+
+  @property
+  def family(self) -> str:
+    return self.vision.family
+
+
+# -- config.json --------------------------------------------------------------------
+def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
+  """From a Qwen2-VL / Qwen2.5-VL config.json dict: transformers 5's (text_config
+  nested, rope_parameters) or the released checkpoints' (text keys at the top,
+  rope_scaling {type: mrope}). `overrides` go to the text DecoderConfig; `dtype`
+  and `param_dtype` to the vision tower too. Missing keys take transformers'
+  Qwen2VLTextConfig defaults where the released configs might leave them out."""
+  vision = qv.config_from_hf(hf_config, **{k: v for k, v in overrides.items()
+                                           if k in ("dtype", "param_dtype")})
+  text = hf_config.get("text_config") or hf_config
+  if text.get("hidden_act", "silu") != "silu":
+    raise CheckpointError(f"config.json: hidden_act={text['hidden_act']!r}; only 'silu' is "
+                          "supported")
+  if text.get("use_sliding_window"):
+    raise CheckpointError("config.json: use_sliding_window=true is not supported")
+  # transformers reads rope_scaling first, then rope_parameters; 'mrope' means default.
+  rp = dict(text.get("rope_scaling") or text.get("rope_parameters") or {})
+  rope_type = rp.get("rope_type", rp.get("type", "default"))
+  if rope_type not in ("default", "mrope"):
+    raise CheckpointError(f"config.json: rope_type={rope_type!r} is not supported (default, "
+                          "mrope)")
+  heads = int(text["num_attention_heads"])
+  kv_heads = text.get("num_key_value_heads", 8) or heads
+  kw = dict(
+      vocab_size=int(text["vocab_size"]), width=int(text["hidden_size"]),
+      depth=int(text["num_hidden_layers"]), heads=heads, kv_heads=int(kv_heads),
+      mlp_width=int(text["intermediate_size"]),
+      # transformers' attention takes hidden_size / heads whatever head_dim says.
+      head_dim=int(text["hidden_size"]) // heads,
+      rope_theta=float(rp.get("rope_theta", text.get("rope_theta", 1e6))),
+      norm_eps=float(text.get("rms_norm_eps", 1e-5)),
+      # transformers 5 keeps it at the top; older saves put it in text_config.
+      tie_embeddings=bool(hf_config.get("tie_word_embeddings") or
+                          text.get("tie_word_embeddings")),
+      qkv_bias=True, max_positions=int(text.get("max_position_embeddings", 32768)),
+      family="qwen2", mrope_section=tuple(int(s) for s in rp.get("mrope_section", (16, 24, 24))))
+  kw.update(overrides)
+  try:
+    return QwenVLConfig(DecoderConfig(**kw), vision,
+                        int(hf_config.get("image_token_id", 151655)))
+  except ValueError as e:
+    raise CheckpointError(f"config.json: {e}") from None
+
+
+# -- M-RoPE positions (host) ------------------------------------------------------------
+def _host(x, what: str) -> np.ndarray:
+  try:
+    return np.asarray(x)
+  except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+    raise ValueError(f"{what} must be host data (numpy) here: M-RoPE positions depend on it; "
+                     "under jit compute them with qwen_vl.mrope_positions outside and pass "
+                     "positions= and rope_delta=") from None
+
+
+def mrope_positions(input_ids, image_grid_thw, config: QwenVLConfig,
+                    attention_mask=None) -> tuple[np.ndarray, np.ndarray]:
+  """(positions [3, B, S] int32, rope_delta [B] int32), as transformers'
+  get_rope_index gives them for images: padding (attention_mask 0) at 0, each row's
+  real tokens laid out from 0, an image's tokens at (start + t, start + row, start +
+  column) of its merged grid, the text after it from start + max(h, w) / merge.
+  `image_grid_thw` [n, 3] lists the batch's images in order, row by row. Raises a
+  ValueError naming the row and the counts when a run of image-pad tokens is not
+  the size of its image, or the images and the runs do not pair up."""
+  ids = _host(input_ids, "input_ids")
+  if ids.ndim != 2:
+    raise ValueError(f"input_ids has shape {ids.shape}; it must be [batch, length]")
+  B, S = ids.shape
+  mask = (np.ones((B, S), bool) if attention_mask is None
+          else _host(attention_mask, "attention_mask").astype(bool))
+  grid = (np.zeros((0, 3), np.int64) if image_grid_thw is None
+          else qv.check_grid(config.vision, image_grid_thw))
+  m = config.vision.merge
+  positions = np.zeros((3, B, S), np.int64)
+  delta = np.zeros(B, np.int64)
+  image = 0
+  for b in range(B):
+    row = ids[b, mask[b]]
+    is_image = row == config.image_token_id
+    runs = np.flatnonzero(np.r_[True, is_image[1:] != is_image[:-1]]) if len(row) else []
+    ends = np.r_[runs[1:], len(row)] if len(row) else []
+    parts, start = [], 0
+    for i, j in zip(runs, ends):
+      if not is_image[i]:
+        parts.append(np.broadcast_to(np.arange(start, start + j - i), (3, j - i)))
+        start += j - i
+        continue
+      if image == len(grid):
+        raise ValueError(f"row {b}: a run of image-pad tokens at {i} has no image: "
+                         f"image_grid_thw has only {len(grid)} image(s)")
+      t, h, w = (int(v) for v in grid[image])
+      need = t * h * w // m ** 2
+      if j - i != need:
+        raise ValueError(f"row {b}: image {image} has {j - i} image-pad tokens at {i}; its "
+                         f"image_grid_thw {(t, h, w)} makes {need} merged patches")
+      tt, hh, ww = np.meshgrid(np.arange(t), np.arange(h // m), np.arange(w // m), indexing="ij")
+      parts.append(np.stack([tt.ravel(), hh.ravel(), ww.ravel()]) + start)
+      start += max(h, w) // m
+      image += 1
+    if parts:
+      laid = np.concatenate(parts, axis=1)
+      positions[:, b, mask[b]] = laid
+      delta[b] = laid.max() + 1 - len(row)
+  if image != len(grid):
+    raise ValueError(f"image_grid_thw has {len(grid)} images; the prompts have {image} runs of "
+                     "image-pad tokens")
+  return positions.astype(np.int32), delta.astype(np.int32)
+
+
+# -- the model --------------------------------------------------------------------------
+class QwenVLCache(NamedTuple):
+  """The decoder's per-layer (k, v) caches and each row's rope delta [B]."""
+  layers: list
+  rope_delta: jax.Array
+
+
+class QwenVL(nnx.Module):
+  """input_ids [B, T], attention_mask [B, T], pixel_values [patches, C*T*P*P] and
+  image_grid_thw [images, 3] (host ints) -> logits [B, T, vocab]."""
+
+  def __init__(self, config: QwenVLConfig, rngs: nnx.Rngs):
+    self.config = config
+    self.visual = qv.QwenVisionTower(config.vision, rngs)
+    self.decoder = DecoderLM(config.text, rngs)
+
+  def encode(self, pixel_values, image_grid_thw):
+    """The images' merged embeddings [sum of t*h*w / merge^2, width], image by image."""
+    return self.visual(pixel_values, image_grid_thw)
+
+  def embed(self, tokens, image_embeds=None):
+    """Token embeddings with the k-th image-pad token (row-major over the batch) taking
+    image_embeds[k]. With host tokens the counts are checked here; under jit it is
+    mrope_positions, run on the same tokens, that checks them."""
+    x = self.decoder.embed(tokens)
+    if image_embeds is None:
+      return x
+    is_image = tokens == self.config.image_token_id
+    try:
+      count = int(np.sum(np.asarray(is_image)))
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+      count = None
+    if count is not None and count != image_embeds.shape[0]:
+      raise ValueError(f"the prompts have {count} image-pad tokens (id "
+                       f"{self.config.image_token_id}) but the images have "
+                       f"{image_embeds.shape[0]} merged patches")
+    k = jnp.cumsum(is_image.reshape(-1)).reshape(is_image.shape) - 1
+    rows = image_embeds[jnp.clip(k, 0, image_embeds.shape[0] - 1)].astype(x.dtype)
+    return jnp.where(is_image[..., None], rows, x)
+
+  def _image_embeds(self, pixel_values, image_grid_thw, image_embeds):
+    if pixel_values is not None and image_embeds is not None:
+      raise ValueError("pass pixel_values or image_embeds, not both")
+    if pixel_values is not None:
+      return self.encode(pixel_values, image_grid_thw)
+    return image_embeds
+
+  def __call__(self, tokens, attention_mask, pixel_values=None, image_grid_thw=None, *,
+               positions=None, image_embeds=None):
+    """`positions` [3, B, T] from mrope_positions (computed here from host tokens when
+    not given); `image_embeds`, the output of `encode`, in place of pixel_values."""
+    if positions is None:
+      positions, _ = mrope_positions(tokens, image_grid_thw, self.config, attention_mask)
+    x = self.embed(tokens, self._image_embeds(pixel_values, image_grid_thw, image_embeds))
+    return self.decoder(tokens, attention_mask, positions=jnp.asarray(positions), embeds=x)
+
+  # -- incremental decoding (the rollout sampler) -----------------------------
+  def prefill(self, tokens, valid, capacity: int, pixel_values=None, image_grid_thw=None, *,
+              positions=None, rope_delta=None, image_embeds=None):
+    """The decoder's prefill with the images' embeddings in place and M-RoPE positions
+    (and `rope_delta`, both from mrope_positions; computed here from host tokens when
+    not given). Returns the last position's logits and a QwenVLCache."""
+    if positions is None:
+      positions, rope_delta = mrope_positions(tokens, image_grid_thw, self.config, valid)
+    elif rope_delta is None:
+      raise ValueError("prefill: positions without rope_delta (mrope_positions returns both)")
+    x = self.embed(tokens, self._image_embeds(pixel_values, image_grid_thw, image_embeds))
+    logits, layers = self.decoder.prefill(tokens, valid, capacity,
+                                          positions=jnp.asarray(positions), embeds=x)
+    return logits, QwenVLCache(layers, jnp.asarray(rope_delta, jnp.int32))
+
+  def decode_step(self, token, position, cache: QwenVLCache, index, key_valid):
+    """As DecoderLM.decode_step; `position` [B] is the text position (the row's real
+    tokens before this one), to which the row's rope delta is added."""
+    logits, layers = self.decoder.decode_step(token, position + cache.rope_delta, cache.layers,
+                                              index, key_valid)
+    return logits, QwenVLCache(layers, cache.rope_delta)
+
+
+# -- loading ----------------------------------------------------------------------------
+def abstract_model(config: QwenVLConfig):
+  with nnx.use_eager_sharding(False):
+    return nnx.eval_shape(lambda: QwenVL(config, nnx.Rngs(0)))
+
+
+def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
+         **overrides) -> tuple[QwenVL, QwenVLConfig]:
+  """Loads a Qwen2-VL / Qwen2.5-VL directory onto the mesh.
+
+  The language model's tensors are `model.*` (as transformers 5 saves them and the
+  released checkpoints have them) or `model.language_model.*` (transformers' module
+  names), plus `lm_head.weight` unless the embeddings are tied; they are read as
+  hf.load reads a decoder's (each device reads its own slice). The vision tower
+  comes from `visual.*` / `model.visual.*` (qwen_vision.load). `dtype` sets both
+  parts' parameters and activations; `overrides` go to the text DecoderConfig
+  (`param_dtype` to the tower too). Errors name the tensor and both shapes."""
+  overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
+  config = config_from_hf(read_config(path), **overrides)
+  if mesh is None:
+    mc = MeshConfig()
+    mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
+  names = hf._Tensors(path).names
+  prefix = ("model.language_model." if any(n.startswith("model.language_model.") for n in names)
+            else "model.")
+  decoder = hf.load_weights(path, config.text, mesh=mesh, rules=rules, prefix=prefix,
+                            owns=lambda n: not n.startswith(qv.PREFIXES))
+  tower, vision = qv.load(path, dtype, mesh=mesh, rules=rules,
+                          param_dtype=overrides["param_dtype"])
+  assert vision == config.vision, (vision, config.vision)
+  graphdef, _ = nnx.split(abstract_model(config))
+  state = nnx.State({"visual": nnx.state(tower), "decoder": nnx.state(decoder)})
+  return nnx.merge(graphdef, state), config
