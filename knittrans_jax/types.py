@@ -73,12 +73,23 @@ class Payload:
   logprobs: list[np.ndarray]
   loss_mask: list[np.ndarray]
   images: dict[str, np.ndarray]
+  # Image bytes the read moved: more than `images` holds when the store keeps a copy
+  # per trajectory and each was read (None: as many as `images` holds).
+  image_bytes_read: int | None = None
 
   @property
   def nbytes(self) -> int:
-    seq = sum(a.nbytes for arrs in (self.tokens, self.logprobs, self.loss_mask)
-              for a in arrs)
-    return seq + sum(a.nbytes for a in self.images.values())
+    return self._seq_nbytes() + sum(a.nbytes for a in self.images.values())
+
+  @property
+  def nbytes_read(self) -> int:
+    """Bytes the read moved (every image copy counted)."""
+    if self.image_bytes_read is None:
+      return self.nbytes
+    return self._seq_nbytes() + self.image_bytes_read
+
+  def _seq_nbytes(self) -> int:
+    return sum(a.nbytes for arrs in (self.tokens, self.logprobs, self.loss_mask) for a in arrs)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,7 +55,7 @@ VARIANTS = ("baseline", "dedup_only", "ondemand_only", "knittrans")
 
 
 def build_store(root, args, seed=0):
-  from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
+  from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
   from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
   rng = np.random.default_rng(seed)
   store = TrajectoryStore.create("file://" + root, StoreSchema(
@@ -66,7 +66,7 @@ def build_store(root, args, seed=0):
     groups = []
     for g in range(args.prompts):
       gid = k * args.prompts + g
-      img = rng.random((args.image, args.image, 3), dtype=np.float32)
+      img = Image.of(rng.random((args.image, args.image, 3), dtype=np.float32))
       P = args.seq // 4
       prompt = rng.integers(2, VOCAB, P, dtype=np.int32)
       trajs = []
@@ -77,7 +77,7 @@ def build_store(root, args, seed=0):
                                 logprobs=-rng.uniform(3.5, 4.5, R).astype(np.float32),
                                 loss_mask=np.ones(R, bool), reward=float(rng.random()),
                                 source="vqa", group_id=gid, index_in_group=i, versions=(0,),
-                                image_ids=(image_id(img),)))
+                                image_ids=(img.id,)))
       metas = writers[gid % len(writers)].append(trajs, images=[img])
       groups.append(GroupInfo(gid, "vqa", sum(m.length for m in metas), 0,
                               rewards=tuple(m.reward for m in metas), metas=tuple(metas)))

@@ -1,4 +1,5 @@
-"""Trajectory store benchmark: append, sequential read, micro-batch read, vs memcpy.
+"""Trajectory store benchmark: append, sequential read, micro-batch read, vs memcpy;
+then the image path in both image layouts, side by side.
 
   python scripts/bench_store.py --json runs/bench_store.json [--mib 64] [--dir DIR]
 
@@ -15,10 +16,23 @@ Payload bytes are token ids (int32) + log-probs (float32) + loss mask (uint8).
 Reads come from the OS page cache (the unit was just written), as a consumer
 reading rollouts that finished moments ago would; `--payload_checksum` repeats
 the reads with crc32c on every chunk.
+
+images.{dedup,no_dedup}: --image_groups groups of --image_n trajectories (320
+tokens each) sharing one float32 image of --image_shape (448 x 448 x 3 = 2.4 MB),
+in a store with StoreSchema.dedup_images True (the image stored once per group)
+and False (a copy per trajectory: the equal-bytes layout):
+  put_s                 the producer's path for all groups: Image.of (the one hash
+                        of the image) and one append of the group with its image
+  read_s                one read of --read_trajectories consecutive trajectories
+                        (median of --image_reps reps of each such slice)
+  read_moved_MB         bytes that read moved (sequences + every image copy)
+  image_bytes_on_disk   size of the unit's image data files
+  image_copies          rows of the image table
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -29,7 +43,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
-from knittrans_jax.storage import StoreSchema, TrajectoryStore
+from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
 from knittrans_jax.types import Trajectory
 
 MiB = 2**20
@@ -47,6 +61,16 @@ def _batch(rng, first_group, k=16, tokens=2048):
         reward=float(rng.random()), source="math", group_id=first_group + i // 8,
         index_in_group=i % 8, versions=(0,)))
   return out
+
+
+def _image_group(rng, group_id, n, prompt=64, response=256):
+  """n trajectories of one prompt (their image ids are set by the caller)."""
+  tokens = rng.integers(0, 32000, prompt, dtype=np.int32)
+  return [Trajectory(prompt_tokens=tokens,
+                     response_tokens=rng.integers(0, 32000, response, dtype=np.int32),
+                     logprobs=-rng.random(response, dtype=np.float32),
+                     loss_mask=np.ones(response, bool), reward=float(rng.random()), source="math",
+                     group_id=group_id, index_in_group=i, versions=(0,)) for i in range(n)]
 
 
 def _timeit(fn, reps):
@@ -119,6 +143,49 @@ def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed:
   return result
 
 
+def _dir_bytes(path: str) -> int:
+  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def bench_images(root: str, dedup: bool, groups: int, n: int, shape: tuple[int, ...],
+                 read_trajectories: int, reps: int, seed: int = 0) -> dict:
+  """The image path in one layout: put every group with its image, then read slices."""
+  url = "file://" + root
+  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), dedup_images=dedup))
+  writer = store.writer("vlm")
+  rng = np.random.default_rng(seed)
+  arrays = [rng.random(shape, dtype=np.float32) for _ in range(groups)]
+  groups_ = [_image_group(rng, g, n) for g in range(groups)]
+  array_of = {}
+  t0 = time.perf_counter()
+  for array, group in zip(arrays, groups_):
+    image = Image.of(array)  # the producer's one hash of its image
+    writer.append([dataclasses.replace(t, image_ids=(image.id,)) for t in group], images=[image])
+    array_of[image.id] = array
+  put_s = time.perf_counter() - t0
+
+  reader = TrajectoryStore.open(url)
+  metas = reader.list_committed("vlm")
+  k = min(read_trajectories, len(metas))
+  slices = [metas[i:i + k] for i in range(0, len(metas) - k + 1, k)]
+  first = reader.read(slices[0]).result()  # opens the arrays; checked, not timed
+  for iid, image in first.images.items():
+    np.testing.assert_array_equal(image, array_of[iid])
+  os.sync()
+  read_times = []
+  for _ in range(reps):
+    for sl in slices:
+      read_times += _timeit(lambda: reader.read(sl).result(), 1)
+  moved = first.nbytes_read
+  image_dir = os.path.join(root, "vlm", "images", "data")
+  return {"dedup_images": dedup, "put_s": put_s, "put_s_per_group": put_s / groups,
+          "read_trajectories": k, "read_s": statistics.median(read_times),
+          "read_moved_MB": moved / 1e6, "read_MBps": moved / 1e6 / statistics.median(read_times),
+          "image_bytes_on_disk": _dir_bytes(image_dir),
+          "store_bytes_on_disk": _dir_bytes(root),
+          "image_copies": store.reader("vlm").commit().images}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="where to write the results")
@@ -129,7 +196,13 @@ def main():
   parser.add_argument("--dir", default=None, help="directory for the store (default: a temp dir)")
   parser.add_argument("--payload_checksum", action="store_true",
                       help="also measure with crc32c on payload chunks")
+  parser.add_argument("--image_groups", type=int, default=32)
+  parser.add_argument("--image_n", type=int, default=8, help="trajectories per group")
+  parser.add_argument("--image_shape", default="448,448,3", help="float32 image shape")
+  parser.add_argument("--read_trajectories", type=int, default=128)
+  parser.add_argument("--image_reps", type=int, default=5)
   args = parser.parse_args()
+  shape = tuple(int(d) for d in args.image_shape.split(","))
 
   base = args.dir or tempfile.mkdtemp(prefix="bench_store_")
   results = {}
@@ -139,6 +212,16 @@ def main():
       shutil.rmtree(root, ignore_errors=True)
       results["checksum" if checksum else "default"] = bench(
           os.path.abspath(root), args.mib, args.reps, args.micro_reps, checksum)
+    images = {"groups": args.image_groups, "n": args.image_n, "image_shape": list(shape),
+              "image_MB": 4 * np.prod(shape) / 1e6}
+    for name, dedup in (("dedup", True), ("no_dedup", False)):
+      root = os.path.join(base, f"images_{name}")
+      shutil.rmtree(root, ignore_errors=True)
+      images[name] = bench_images(os.path.abspath(root), dedup, args.image_groups, args.image_n,
+                                  shape, args.read_trajectories, args.image_reps)
+      shutil.rmtree(root, ignore_errors=True)
+    for key in ("image_bytes_on_disk", "put_s", "read_s", "read_moved_MB"):
+      images[f"no_dedup_vs_dedup_{key}"] = images["no_dedup"][key] / images["dedup"][key]
   finally:
     if args.dir is None:
       shutil.rmtree(base, ignore_errors=True)
@@ -146,6 +229,7 @@ def main():
   out["cpu_count"] = os.cpu_count()
   if "checksum" in results:
     out["with_payload_checksum"] = results["checksum"]
+  out["images"] = images
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
@@ -163,6 +247,16 @@ def main():
   print(f"  {'read / memcpy':<28}" + "".join(f"{r['read_vs_memcpy']:>12.2f}" for _, r in cols))
   print(f"  {'read / memcpy (prealloc)':<28}"
         + "".join(f"{r['read_vs_memcpy_prealloc']:>12.2f}" for _, r in cols))
+  print(f"\nimage path: {images['groups']} groups x {images['n']} trajectories, one "
+        f"{images['image_MB']:.1f} MB image per group")
+  print(f"  {'':<28}{'dedup':>12}{'no_dedup':>12}{'ratio':>8}")
+  for label, key, fmt in (("put, all groups (s)", "put_s", ".3f"),
+                          (f"read {images['dedup']['read_trajectories']} traj (s)", "read_s", ".3f"),
+                          ("read moved (MB)", "read_moved_MB", ".1f"),
+                          ("image bytes on disk (MB)", "image_bytes_on_disk", ".1f")):
+    a, b = images["dedup"][key], images["no_dedup"][key]
+    scale = 1e-6 if key == "image_bytes_on_disk" else 1
+    print(f"  {label:<28}{a * scale:>12{fmt}}{b * scale:>12{fmt}}{b / a:>8.2f}")
   print(f"wrote {args.json}")
 
 

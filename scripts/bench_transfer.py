@@ -5,7 +5,8 @@
 
 A real store on disk (file://, 4 producer units) holds a train batch of
 --mini_batches x --prompts groups of n = 8 responses (`vlm`: one 448 x 448 x 3
-float32 image per prompt, stored once). Prompts are --seq / 4 tokens and responses
+float32 image per prompt, stored once; with --no-dedup stored, and read, once per
+trajectory, for a comparison at equal bytes). Prompts are --seq / 4 tokens and responses
 log-normal around --seq / 2, cut to fit --seq. Each mini-batch is planned over
 --consumers consumer processes (job/work.py, as the job plans it) and every
 consumer trains its share with the job's own trainer (job/trainer.py): the GRPO
@@ -48,12 +49,12 @@ N = 8
 VOCAB = 256  # the default decoder's vocabulary
 
 
-def build_store(root, workload, mini_batches, prompts, seq, seed=0):
-  from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
+def build_store(root, workload, mini_batches, prompts, seq, seed=0, dedup=True):
+  from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
   from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
   rng = np.random.default_rng(seed)
   store = TrajectoryStore.create("file://" + root, StoreSchema(
-      sources=("text", "vqa"), max_prompt_len=seq, max_response_len=seq))
+      sources=("text", "vqa"), max_prompt_len=seq, max_response_len=seq, dedup_images=dedup))
   writers = [store.writer(f"producer{p}", host=f"host{p % 2}") for p in range(4)]
   batches = []
   P = seq // 4
@@ -64,8 +65,8 @@ def build_store(root, workload, mini_batches, prompts, seq, seed=0):
       w = writers[gid % len(writers)]
       images, ids = [], ()
       if workload == "vlm":
-        img = rng.random((448, 448, 3), dtype=np.float32)
-        images, ids = [img], (image_id(img),)
+        img = Image.of(rng.random((448, 448, 3), dtype=np.float32))  # hashed once, here
+        images, ids = [img], (img.id,)
       prompt = rng.integers(0, VOCAB, P, dtype=np.int32)
       trajs = []
       for i in range(N):
@@ -151,6 +152,9 @@ def main():
                       help="tokens per row (prompt + response) of the trainer's step")
   parser.add_argument("--depth", type=int, default=2)
   parser.add_argument("--dir", default=None)
+  parser.add_argument("--no-dedup", dest="dedup", action="store_false",
+                      help="store (and read) each trajectory's own copy of its image: both "
+                           "data paths then move the same image bytes")
   args = parser.parse_args()
 
   from knittrans_jax.dataplane import centralized as C
@@ -160,7 +164,8 @@ def main():
   root = os.path.join(os.path.abspath(base), "store")
   shutil.rmtree(root, ignore_errors=True)
   t0 = time.perf_counter()
-  store, batches = build_store(root, args.workload, args.mini_batches, args.prompts, args.seq)
+  store, batches = build_store(root, args.workload, args.mini_batches, args.prompts, args.seq,
+                               dedup=args.dedup)
   print(f"store written in {time.perf_counter() - t0:.1f} s")
   planner = StepPlanner(args.consumers, args.consumers * args.micro)
   works = [planner(mb) for mb in batches]
@@ -184,14 +189,15 @@ def main():
     assert results.get(timeout=600)[0] == "ready"
   out = {"workload": args.workload, "consumers": args.consumers, "prompts": args.prompts,
          "mini_batches": args.mini_batches, "n": N, "micro": args.micro,
-         "trajectories": len(all_metas), "cpu_count": os.cpu_count()}
+         "trajectories": len(all_metas), "dedup_images": args.dedup,
+         "cpu_count": os.cpu_count()}
   bar = tqdm(total=2, desc="modes", leave=False)
 
   # Baseline: the driver gathers, slices, pickles and sends, consumer by consumer.
   go["baseline"].set()
   t_start = time.perf_counter()
   payload = C.gather(store, all_metas)
-  driver_read = payload.nbytes
+  driver_read = payload.nbytes_read  # every image copy it read (one each without dedup)
   sent = 0
   for c in range(args.consumers):
     sent += C.send_slices(pipes[c][0], payload, plans[c], t_start)
@@ -229,7 +235,8 @@ def main():
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
   print(f"\ntransfer, workload {args.workload}: {len(all_metas)} trajectories, "
-        f"{args.consumers} consumers, {os.cpu_count()} cores")
+        f"{args.consumers} consumers, {os.cpu_count()} cores, "
+        f"{'images deduplicated' if args.dedup else 'an image copy per trajectory (--no-dedup)'}")
   print(f"  {'':<12}{'exposed s':>12}{'raw s':>10}{'total s':>10}{'MB moved':>12}")
   for mode in ("baseline", "ondemand"):
     r = out[mode]

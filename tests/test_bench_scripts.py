@@ -10,7 +10,9 @@ import pytest
 def test_bench_store_writes_its_json(tmp_path):
   out = tmp_path / "bench.json"
   proc = subprocess.run([sys.executable, "scripts/bench_store.py", "--json", str(out), "--mib", "2",
-                         "--reps", "1", "--micro_reps", "5", "--payload_checksum"],
+                         "--reps", "1", "--micro_reps", "5", "--payload_checksum",
+                         "--image_groups", "4", "--image_n", "4", "--image_shape", "256,256,3",
+                         "--read_trajectories", "8", "--image_reps", "1"],
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
@@ -19,6 +21,16 @@ def test_bench_store_writes_its_json(tmp_path):
   assert result["read_vs_memcpy"] == pytest.approx(result["read_MBps"] / result["memcpy_MBps"])
   assert result["payload_MiB"] >= 2 and result["with_payload_checksum"]["payload_checksum"]
   assert "read / memcpy" in proc.stdout
+  images = result["images"]
+  assert images["dedup"]["image_copies"] == 4 and images["no_dedup"]["image_copies"] == 16
+  for layout in ("dedup", "no_dedup"):
+    assert images[layout]["put_s"] > 0 and images[layout]["read_s"] > 0
+  # 8 trajectories of 2 groups: 2 images read with dedup, 8 copies without; 4x on disk.
+  image = 256 * 256 * 3 * 4
+  assert images["no_dedup"]["read_moved_MB"] - images["dedup"]["read_moved_MB"] == pytest.approx(
+      6 * image / 1e6)
+  assert images["no_dedup_vs_dedup_image_bytes_on_disk"] == pytest.approx(4, rel=0.05)
+  assert "image bytes on disk" in proc.stdout
 
 
 def test_bench_admission_writes_its_json(tmp_path):
@@ -96,11 +108,33 @@ def test_bench_transfer_writes_its_json(tmp_path):
     assert r["baseline"][key] > 0 and r["ondemand"][key] >= 0
   assert r["bytes_moved"]["baseline"] > r["bytes_moved"]["ondemand"] > 0
   assert r["exposed_ratio"] > 0 and r["raw_ratio"] > 0
-  assert r["trajectories"] == 32
+  assert r["trajectories"] == 32 and r["dedup_images"]
   fig = figures_module().transfer_figure({"vlm": r}, str(tmp_path))["vlm"]
   assert fig["exposed_ratio"] == r["exposed_ratio"]
   assert fig["baseline_exposed_s"] == r["baseline"]["exposed_s"]
   assert (tmp_path / "transfer_latency.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_transfer_no_dedup_moves_an_image_per_trajectory(tmp_path):
+  runs = {}
+  for flag in ([], ["--no-dedup"]):
+    out = tmp_path / f"transfer{len(flag)}.json"
+    proc = subprocess.run([sys.executable, "scripts/bench_transfer.py", "--workload", "vlm",
+                           "--json", str(out), "--prompts", "4", "--mini_batches", "1",
+                           "--micro", "8", "--seq", "32"] + flag,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs[bool(flag)] = json.loads(out.read_text())
+  assert runs[True]["dedup_images"] is False and "copy per trajectory" in proc.stdout
+  # 4 prompts x n = 8: without dedup the consumers read 32 image copies, one per
+  # trajectory, where with dedup each reads each of its images once (4 to 8 reads
+  # over 2 consumers); the baseline's driver reads 32, not 4, and sends 32 either way.
+  image = 448 * 448 * 3 * 4
+  moved = {k: r["bytes_moved"] for k, r in runs.items()}
+  extra, rest = divmod(moved[True]["ondemand"] - moved[False]["ondemand"], image)
+  assert rest == 0 and 32 - 8 <= extra <= 32 - 4
+  assert moved[True]["baseline"] - moved[False]["baseline"] == 28 * image
 
 
 @pytest.mark.slow

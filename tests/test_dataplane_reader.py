@@ -15,8 +15,13 @@ N = 4
 
 @pytest.fixture
 def store(tmp_path):
-  st = TrajectoryStore.create(f"file://{tmp_path}/s", StoreSchema(
-      sources=SOURCES, max_response_len=512, token_chunk=512, row_chunk=16))
+  return _build(f"file://{tmp_path}/s")
+
+
+def _build(url, dedup_images=True):
+  st = TrajectoryStore.create(url, StoreSchema(
+      sources=SOURCES, max_response_len=512, token_chunk=512, row_chunk=16,
+      dedup_images=dedup_images))
   rng = np.random.default_rng(0)
   images = [rng.random((16, 16, 3), dtype=np.float32) for _ in range(6)]
   for u in range(2):
@@ -72,6 +77,25 @@ def test_rows_once_and_images_once_per_consumer(store):
   assert max(reader.stats.images_read.values()) == 1  # reused across micro-batches
   seq = sum(m.length * 9 for mb in plan for m in mb)
   assert reader.stats.bytes_read == seq + len(images) * 16 * 16 * 3 * 4
+
+
+def test_without_dedup_every_micro_batch_reads_its_trajectories_copies(store, tmp_path):
+  """The equal-bytes layout: the same micro-batches, but each trajectory's own image
+  copy is read (and counted), as a system that ships an image per trajectory moves."""
+  copies = _build(f"file://{tmp_path}/copies", dedup_images=False)
+  plan = plan_of(store)
+  assert plan_of(copies) == plan
+  with PrefetchingReader(store, plan, flat) as a, PrefetchingReader(copies, plan, flat) as b:
+    for x, y in zip(a, b):
+      assert x[0] == y[0] and x[3].keys() == y[3].keys()
+      for u, v in zip(x[1] + x[2] + list(x[3].values()), y[1] + y[2] + list(y[3].values())):
+        np.testing.assert_array_equal(u, v)
+  per_mb = [{i for m in mb for i in m.image_ids} for mb in plan]
+  assert b.stats.images_read == {i: sum(i in ids for ids in per_mb) for i in set().union(*per_mb)}
+  seq = sum(m.length * 9 for mb in plan for m in mb)
+  refs = sum(len(m.image_ids) for mb in plan for m in mb)
+  assert b.stats.bytes_read == seq + refs * 16 * 16 * 3 * 4
+  assert a.stats.bytes_read == seq + len(set().union(*per_mb)) * 16 * 16 * 3 * 4
 
 
 def test_read_error_surfaces_at_its_micro_batch_and_the_reader_stops(store, tmp_path):

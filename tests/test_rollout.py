@@ -163,3 +163,32 @@ def test_vlm_sampler_logprobs_match_the_training_forward():
   other = model(jnp.asarray(images[1:2]), jnp.asarray(seq), jnp.ones_like(seq, bool))
   mine = model(jnp.asarray(images[0:1]), jnp.asarray(seq), jnp.ones_like(seq, bool))
   assert np.abs(np.asarray(other) - np.asarray(mine)).max() > 1e-4
+
+
+def test_a_vision_group_carries_its_image_hashed_once(monkeypatch):
+  """rollout_groups makes each image's id where the image is made; the store takes
+  the (id, array) pair as it is and does not hash it again."""
+  import xxhash
+
+  from knittrans_jax.models import ViTConfig
+  from knittrans_jax.models.vlm import VLM
+  from knittrans_jax.rollout import vision_tasks
+  from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore, image_id
+  vit = ViTConfig(image_size=16, patch_size=4, width=32, depth=2, heads=4, mlp_width=64, merge=2)
+  with nnx.use_eager_sharding(False):
+    model = VLM(vit, CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  hashes, xxh3 = [], xxhash.xxh3_128
+  monkeypatch.setattr(xxhash, "xxh3_128", lambda *a: hashes.append(a) or xxh3(*a))
+  requests = [(g, vision_tasks.SOURCES[g % 3]) for g in range(3)]
+  groups = rollout_groups(graphdef, params, 0, 7, requests, 2, SamplerConfig(max_new_tokens=4),
+                          suite="vision", image_size=16)
+  assert len(hashes) == 3
+  store = TrajectoryStore.create("memory://rollout_vision", StoreSchema(sources=vision_tasks.SOURCES))
+  writer = store.writer("w")
+  for grp in groups:
+    (image,) = grp.images
+    assert isinstance(image, Image) and all(t.image_ids == (image.id,) for t in grp.trajectories)
+    writer.append(grp.trajectories, images=grp.images)
+  assert len(hashes) == 3 and writer.commit.images == 3
+  assert image_id(groups[0].images[0].array) == groups[0].images[0].id

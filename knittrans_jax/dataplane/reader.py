@@ -15,7 +15,9 @@ read function (the encode-once step reads its image slots that way).
 
 Each image of a segment is read once and reused by its later micro-batches (or not
 at all with read_images=False: the encode-once path reads its image slots in the
-`first` job). A read error is raised in the step that needs that micro-batch,
+`first` job). A store without dedup (StoreSchema.dedup_images=False, the
+equal-bytes layout) keeps a copy per trajectory, and every micro-batch reads its
+trajectories' copies: nothing is reused. A read error is raised in the step that needs that micro-batch,
 naming its unit and rows, and the thread stops. With
 `read=QuarantiningReader(store).read` a damaged unit is quarantined instead: the
 micro-batch comes with its intact rows only (prepare pads the rest), and the
@@ -75,6 +77,7 @@ class PrefetchingReader:
       raise ValueError(f"prefetch depth {depth} must be >= 1")
     self.store, self.put, self.read_images = store, put, read_images
     self.read = read or (lambda metas, skip: store.read(metas, skip_images=skip).result())
+    self._reuse_images = store.schema.dedup_images
     self.unit_host, self.host = unit_host, host
     self.stats = ReaderStats()
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
@@ -161,8 +164,8 @@ class PrefetchingReader:
   # -- the thread -------------------------------------------------------------------
   def _read_one(self, seg: _Segment, images: dict, skip: set, metas: list[TrajMeta]):
     t0 = time.perf_counter()
-    payload = self.read(metas, images.keys() | skip)
-    nbytes = payload.nbytes  # sequences, plus only the images read just now
+    payload = self.read(metas, images.keys() | skip if self._reuse_images else skip)
+    nbytes = payload.nbytes_read  # sequences, plus only the image copies read just now
     for iid, image in payload.images.items():
       images[iid] = image
       self.stats.images_read[iid] += 1

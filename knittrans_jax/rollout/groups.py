@@ -16,7 +16,7 @@ import numpy as np
 
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
-from knittrans_jax.storage import image_id
+from knittrans_jax.storage import Image
 from knittrans_jax.types import Trajectory
 
 PROMPT_LEN = 5  # the longest text prompt; prompts are left-padded to it
@@ -79,7 +79,7 @@ def group_keys(seed: int, group_ids: list[int], n: int) -> jax.Array:
 @dataclasses.dataclass
 class RolledGroup:
   trajectories: list[Trajectory]
-  images: list[np.ndarray]  # stored once for the whole group (empty for text)
+  images: list[Image]  # stored once for the whole group (empty for text); id hashed once
 
 
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
@@ -103,8 +103,8 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
                   **extra)
   groups = []
   for k, ((gid, source), task) in enumerate(zip(requests, task_list)):
-    images = [task.image] if suite == "vision" else []
-    ids = tuple(image_id(im) for im in images)
+    images = [Image.of(task.image)] if suite == "vision" else []  # the only hash of it
+    ids = tuple(im.id for im in images)
     groups.append(RolledGroup([
         Trajectory(prompt_tokens=task.prompt, response_tokens=resp, logprobs=lp,
                    loss_mask=np.ones(resp.size, bool), reward=score(task, resp), source=source,

@@ -17,11 +17,12 @@ class Commit:
   refs: int = 0
   images: int = 0
   image_bytes: int = 0
+  format: int = L.FORMAT_VERSION  # what the unit was written with (image ids differ)
 
   def to_array(self) -> np.ndarray:
     out = np.zeros(L.COMMIT_LEN, np.int64)
     out[[L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES]] = (
-        L.FORMAT_VERSION, self.rows, self.tokens, self.refs, self.images, self.image_bytes)
+        self.format, self.rows, self.tokens, self.refs, self.images, self.image_bytes)
     return out
 
 
@@ -40,10 +41,12 @@ def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -
       return Commit()
     raise CorruptUnitError(unit, "commit marker is missing (the unit is registered, so its "
                            "writer had written one)")
-  if raw[L.C_FORMAT] != L.FORMAT_VERSION:
-    raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} != {L.FORMAT_VERSION}")
+  if raw[L.C_FORMAT] not in L.READABLE_FORMATS:
+    raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} is not one this "
+                           f"version reads {L.READABLE_FORMATS}")
   commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),
-                  images=int(raw[L.C_IMAGES]), image_bytes=int(raw[L.C_IMAGE_BYTES]))
+                  images=int(raw[L.C_IMAGES]), image_bytes=int(raw[L.C_IMAGE_BYTES]),
+                  format=int(raw[L.C_FORMAT]))
   if min(dataclasses.astuple(commit)) < 0:
     raise CorruptUnitError(unit, f"negative extent in commit marker {commit}")
   return commit

@@ -12,6 +12,10 @@ chunks written on demand, so appends never rewrite array metadata):
   images/hash                   uint8 [images, HASH_BYTES]: content hash (= id)
   commit                        int64 [COMMIT_LEN]: the commit marker
 
+With StoreSchema.dedup_images (the default) the image table holds each image once
+and `image_refs` of many rows point at it; without, every reference of every row
+has its own row (its own copy) in the table.
+
 The commit marker holds the committed extent of every array and is written last,
 as a single chunk (one key: replaced atomically by every kvstore driver), so a
 reader that reads it first sees only whole, committed rows.
@@ -25,7 +29,10 @@ import tensorstore as ts
 
 from knittrans_jax.storage.schema import StoreSchema
 
-FORMAT_VERSION = 1
+# Format 2 keys images by xxh3-128 (format 1: blake2b-128); the layout is the same.
+# Format 1 units are read; a writer appends to one only if it holds no image.
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
 

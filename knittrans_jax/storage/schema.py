@@ -26,6 +26,10 @@ class StoreSchema:
   durable: fsync every write (survives power loss, ~3x slower appends). Without it
     the store is still safe against a killed process: the commit marker is
     written only after every other write of the append has completed.
+  dedup_images: store each image once per unit, however many trajectories use it
+    (the default). False stores a copy per trajectory (per image reference) and
+    reads move each trajectory's own copy, as systems that ship an image with every
+    trajectory do: for comparisons at equal bytes. Reads return the same arrays.
   """
   sources: tuple[str, ...] = ("math", "code", "chat")
   max_prompt_len: int = 4096
@@ -35,6 +39,7 @@ class StoreSchema:
   image_chunk_bytes: int = 1 << 20
   payload_checksum: bool = False
   durable: bool = False
+  dedup_images: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "sources", tuple(self.sources))
@@ -45,6 +50,8 @@ class StoreSchema:
       value = getattr(self, name)
       if not isinstance(value, int) or value <= 0:
         raise ValueError(f"StoreSchema.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.dedup_images, bool):
+      raise ValueError(f"StoreSchema.dedup_images must be a bool, got {self.dedup_images!r}")
 
   def source_index(self, source: str) -> int:
     return self.sources.index(source)
@@ -54,6 +61,7 @@ class StoreSchema:
 
   @classmethod
   def from_json(cls, text: str) -> "StoreSchema":
+    # A field missing from an older store.json takes its default (the old behaviour).
     fields = json.loads(text)
     fields["sources"] = tuple(fields["sources"])
     return cls(**fields)

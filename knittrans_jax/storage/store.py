@@ -94,8 +94,9 @@ class TrajectoryStore:
 
   def read(self, metas: Sequence[TrajMeta], skip_images=()) -> ReadFuture:
     """Starts reading the payloads of `metas`; returns at once. Images whose ids are
-    in `skip_images` (already held by the caller) are not read."""
-    return ReadFuture(metas, self.reader, skip_images)
+    in `skip_images` (already held by the caller) are not read. Without dedup
+    (StoreSchema.dedup_images=False) every trajectory's own copy is read."""
+    return ReadFuture(metas, self.reader, skip_images, self.schema.dedup_images)
 
   def watch(self) -> "StoreWatcher":
     return StoreWatcher(self)

@@ -1,9 +1,12 @@
 """Reads the committed part of one storage unit: metadata listing and payload reads.
 
 Every read is bounded by the commit marker read first, so a reader running beside
-the unit's writer never sees a partial row.
+the unit's writer never sees a partial row. Committed rows and image-table rows
+never change, so what is read of them is cached.
 """
 from __future__ import annotations
+
+from typing import Sequence
 
 import numpy as np
 import tensorstore as ts
@@ -11,7 +14,7 @@ import tensorstore as ts
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit
 from knittrans_jax.storage.errors import CorruptUnitError
-from knittrans_jax.storage.images import hash_to_hex
+from knittrans_jax.storage.images import hash_to_hex, id_function
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import TrajMeta
 
@@ -29,9 +32,13 @@ class UnitReader:
     self._image_ids: list[str] = []
     self._image_rows = np.zeros((0, L.IMG_COLS), np.int64)
     self._image_pos: dict[str, int] = {}
+    self._row_refs: dict[int, np.ndarray] = {}  # row -> image-table indices (no-dedup stores)
+    self.image_hash = id_function(L.FORMAT_VERSION)  # that of the unit's format, once read
 
   def commit(self) -> Commit:
-    return read_commit(self.unit, self.arrays["commit"], allow_missing=False)
+    commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
+    self.image_hash = id_function(commit.format)
+    return commit
 
   def _read(self, name: str, start: int, stop: int, batch=None) -> ts.Future:
     return self.arrays[name][start:stop].read(batch=batch)
@@ -95,6 +102,9 @@ class UnitReader:
       if (refs < 0).any() or (refs >= len(self._image_ids)).any():
         raise CorruptUnitError(self.unit, "image references point outside the image table")
     base = ref_start[0]
+    if not self.schema.dedup_images:  # reads locate each row's own copies from these
+      for r in range(stop - start):
+        self._row_refs[start + r] = refs[ref_start[r] - base:ref_end[r] - base]
     sources = self.schema.sources
     return [TrajMeta(
         unit=self.unit, row=start + r, token_start=int(tok_start[r]),
@@ -107,12 +117,60 @@ class UnitReader:
 
   def image_location(self, image_id: str) -> tuple[int, int, np.dtype, tuple[int, ...]]:
     """(byte start, byte end, dtype, shape) of a committed image of this unit."""
+    return self.image_at(self.image_row(image_id))
+
+  def image_row(self, image_id: str) -> int:
+    """The image table row that holds `image_id` (with dedup, its only copy)."""
     if image_id not in self._image_pos:
       self.refresh_images()
     if image_id not in self._image_pos:
       raise KeyError(f"image {image_id} is not in unit '{self.unit}'")
-    k = self._image_pos[image_id]
+    return self._image_pos[image_id]
+
+  def image_at(self, k: int) -> tuple[int, int, np.dtype, tuple[int, ...]]:
+    """(byte start, byte end, dtype, shape) of row k of the (refreshed) image table."""
     row = self._image_rows[k]
     start = int(self._image_rows[k - 1, L.IMG_BYTE_END]) if k else 0
     shape = tuple(int(d) for d in row[L.IMG_DIM0:L.IMG_DIM0 + row[L.IMG_NDIM]])
     return start, int(row[L.IMG_BYTE_END]), L.IMAGE_DTYPES[row[L.IMG_DTYPE]], shape
+
+  def image_id_at(self, k: int) -> str:
+    return self._image_ids[k]
+
+  def row_image_refs(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
+    """Image-table indices of each committed row's images, in the row's order.
+
+    Rows not listed through this reader are read here: their ref ends, then their
+    refs, each in one batch over runs of consecutive rows.
+    """
+    need = sorted({r for r in rows if r not in self._row_refs})
+    if need:
+      commit = self.commit()
+      if need[0] < 0 or need[-1] >= commit.rows:
+        raise CorruptUnitError(self.unit, f"rows {need[0]}..{need[-1]} asked for, but "
+                               f"{commit.rows} are committed")
+      runs = [[need[0], need[0] + 1]]
+      for r in need[1:]:
+        if r == runs[-1][1]:
+          runs[-1][1] = r + 1
+        else:
+          runs.append([r, r + 1])
+      with ts.Batch() as batch:  # one row earlier gives each run's first start
+        f_rows = [self._read("rows", max(lo - 1, 0), hi, batch) for lo, hi in runs]
+      ends = []
+      for (lo, hi), f in zip(runs, f_rows):
+        col = self._result(f, "rows")[:, L.REF_END]
+        ends.append(col if lo > 0 else np.concatenate([[0], col]))
+      if any((e < 0).any() or (np.diff(e) < 0).any() or e[-1] > commit.refs for e in ends):
+        raise CorruptUnitError(self.unit, "image-ref ends of rows are inconsistent")
+      with ts.Batch() as batch:
+        f_refs = [self._read("image_refs", int(e[0]), int(e[-1]), batch) if e[-1] > e[0]
+                  else None for e in ends]
+      self.refresh_images(commit)
+      for (lo, hi), e, f in zip(runs, ends, f_refs):
+        refs = self._result(f, "image_refs") if f is not None else np.zeros(0, np.int64)
+        if (refs < 0).any() or (refs >= len(self._image_ids)).any():
+          raise CorruptUnitError(self.unit, "image references point outside the image table")
+        for r in range(lo, hi):
+          self._row_refs[r] = refs[e[r - lo] - e[0]:e[r - lo + 1] - e[0]]
+    return {r: self._row_refs[r] for r in rows}

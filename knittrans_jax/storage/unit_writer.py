@@ -20,7 +20,8 @@ import tensorstore as ts
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit, write_commit
 from knittrans_jax.storage.errors import StoreError
-from knittrans_jax.storage.images import check_image, hash_to_hex, hex_to_hash, image_id
+from knittrans_jax.storage.images import (Image, check_image, hash_to_hex, hex_to_hash,
+                                          image_id)
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.storage.validation import pack_append
 from knittrans_jax.types import TrajMeta, Trajectory
@@ -36,6 +37,11 @@ class UnitWriter:
     self.url = L.join(root, unit)
     self._arrays = L.open_unit_arrays(self.url, schema, create=True)
     self._commit = read_commit(unit, self._arrays["commit"], allow_missing=not registered)
+    if self._commit.format != L.FORMAT_VERSION and self._commit.images:
+      raise StoreError(f"unit '{unit}' holds {self._commit.images} images keyed by the hash of "
+                       f"format {self._commit.format}; this version writes format "
+                       f"{L.FORMAT_VERSION} (xxh3-128 ids) and does not mix the two in a unit: "
+                       "read it as it is, and write new rollouts to a new unit or store")
     if not registered and self._commit == Commit():
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
     self.host = host or socket.gethostname()
@@ -59,49 +65,76 @@ class UnitWriter:
     return image_id_ in self._image_index
 
   def append(self, trajectories: Sequence[Trajectory],
-             images: Sequence[np.ndarray] = ()) -> list[TrajMeta]:
+             images: Sequence[Image | np.ndarray] = ()) -> list[TrajMeta]:
     """Atomically appends trajectories (and new images) and returns their metadata.
 
-    `images` are stored once each: an image already in the unit is skipped. Every
-    trajectory's image_ids must name an image in the unit or in `images`.
+    `images` are `Image`s (id made once, by the caller, and trusted here) or bare
+    arrays (hashed here). With `StoreSchema.dedup_images` an image is stored once:
+    one already in the unit is skipped, and a trajectory's image_ids may name an
+    image of the unit or of `images`. Without, every image reference of every
+    trajectory gets its own copy, so its images must come in this call.
     """
-    new_images = self._stage_images(images)
+    ids, pool = self._resolve_images(images)
+    dedup = self.schema.dedup_images
     packed = None
     if trajectories:
-      packed = pack_append(trajectories, self.schema,
-                           self._image_index.keys() | new_images.keys())
-    return self._write(packed, new_images)
+      known = self._image_index.keys() | pool.keys() if dedup else pool.keys()
+      packed = pack_append(trajectories, self.schema, known)
+    if dedup:
+      new = [(iid, im) for iid, im in pool.items() if iid not in self._image_index]
+    else:  # a copy per reference, in reference order
+      refs = packed.image_ids if packed is not None else []
+      new = [(iid, pool[iid]) for row in refs for iid in row]
+    return self._write(packed, new)
 
-  def put_images(self, images: Sequence[np.ndarray]) -> list[str]:
+  def put_images(self, images: Sequence[Image | np.ndarray]) -> list[str]:
     """Stores images ahead of the trajectories that will use them; returns their ids."""
-    self._write(None, self._stage_images(images))
-    return [image_id(np.asarray(im)) for im in images]
+    if not self.schema.dedup_images:
+      raise StoreError(f"unit '{self.unit}': put_images needs StoreSchema.dedup_images=True; "
+                       "without it each trajectory stores its own copy, so pass images to "
+                       "append(..., images=...) with the trajectories that use them")
+    ids, pool = self._resolve_images(images)
+    self._write(None, [(iid, im) for iid, im in pool.items() if iid not in self._image_index])
+    return ids
 
-  def _stage_images(self, images) -> dict[str, np.ndarray]:
-    staged = {}
+  def _resolve_images(self, images) -> tuple[list[str], dict[str, np.ndarray]]:
+    """Each image's id, in order, and the arrays to store by id (validated).
+
+    An `Image` brings its id and is not hashed. A bare array is hashed, once per
+    array object of the call (a producer passing one array 8 times hashes it once).
+    """
+    ids, pool, hashed = [], {}, {}
     for k, image in enumerate(images):
-      image = check_image(image, f"unit '{self.unit}' image {k}")
-      iid = image_id(image)
-      if iid not in self._image_index:
-        staged[iid] = image
-    return staged
+      where = f"unit '{self.unit}' image {k}"
+      if isinstance(image, Image):
+        iid = _check_id(image.id, where)
+        if iid not in pool and not (self.schema.dedup_images and iid in self._image_index):
+          pool[iid] = check_image(image.array, where)
+      elif id(image) in hashed:
+        iid = hashed[id(image)]
+      else:
+        array = check_image(image, where)
+        iid = hashed[id(image)] = image_id(array)
+        pool.setdefault(iid, array)
+      ids.append(iid)
+    return ids, pool
 
-  def _write(self, packed, new_images: dict[str, np.ndarray]) -> list[TrajMeta]:
+  def _write(self, packed, new_images: list[tuple[str, np.ndarray]]) -> list[TrajMeta]:
     c, a = self._commit, self._arrays
     futures = []
     n_img, img_bytes = c.images, c.image_bytes
     index = dict(self._image_index)
     if new_images:
-      blobs = [im.reshape(-1).view(np.uint8) for im in new_images.values()]
+      blobs = [im.reshape(-1).view(np.uint8) for _, im in new_images]
       ends = img_bytes + np.cumsum([b.size for b in blobs])
       rows = np.zeros((len(blobs), L.IMG_COLS), np.int64)
       rows[:, L.IMG_BYTE_END] = ends
-      for k, (iid, im) in enumerate(new_images.items()):
+      for k, (iid, im) in enumerate(new_images):
         rows[k, L.IMG_DTYPE] = L.IMAGE_DTYPES.index(im.dtype)
         rows[k, L.IMG_NDIM] = im.ndim
         rows[k, L.IMG_DIM0:L.IMG_DIM0 + im.ndim] = im.shape
-        index[iid] = n_img + k
-      hashes = np.stack([hex_to_hash(iid) for iid in new_images])
+        index[iid] = n_img + k  # without dedup: the newest copy (has_image only)
+      hashes = np.stack([hex_to_hash(iid) for iid, _ in new_images])
       futures += [a["images/data"][img_bytes:int(ends[-1])].write(np.concatenate(blobs)),
                   a["images/index"][n_img:n_img + len(blobs)].write(rows),
                   a["images/hash"][n_img:n_img + len(blobs)].write(hashes)]
@@ -112,7 +145,10 @@ class UnitWriter:
       k, T = packed.prompt_len.size, packed.tokens.size
       lengths = packed.prompt_len + packed.response_len
       tok_end = c.tokens + np.cumsum(lengths)
-      refs = np.asarray([index[i] for ids in packed.image_ids for i in ids], np.int64)
+      if self.schema.dedup_images:
+        refs = np.asarray([index[i] for ids in packed.image_ids for i in ids], np.int64)
+      else:  # the copies were written in reference order
+        refs = np.arange(c.images, n_img, dtype=np.int64)
       ref_end = c.refs + np.cumsum([len(ids) for ids in packed.image_ids])
       rows = np.empty((k, L.ROW_COLS), np.int64)
       rows[:, L.TOK_END] = tok_end
@@ -159,3 +195,10 @@ class UnitWriter:
                        f"(unit still at {c.rows} rows): {e}") from e
     self._commit, self._image_index = new, index
     return metas
+
+
+def _check_id(iid, where: str) -> str:
+  if not isinstance(iid, str) or len(iid) != 2 * L.HASH_BYTES or iid.strip("0123456789abcdef"):
+    raise ValueError(f"{where}: Image.id {iid!r} is not a {2 * L.HASH_BYTES}-digit lowercase hex "
+                     "hash (make Images with Image.of)")
+  return iid

@@ -18,6 +18,11 @@ from knittrans_jax.types import Trajectory
 
 _INT32_MAX = np.iinfo(np.int32).max
 _INT64_MAX = np.iinfo(np.int64).max
+_UNKNOWN_IMAGE = {  # by StoreSchema.dedup_images
+    True: "image id is not in this unit's image table (pass the image to append(..., images=...))",
+    False: "image id is not among this call's images; with StoreSchema.dedup_images=False each "
+           "trajectory stores its own copy, so pass its images in the same append(..., images=...)",
+}
 
 
 @dataclasses.dataclass
@@ -62,7 +67,10 @@ def _int_field(value, field: str, i: int, gid, minimum: int = 0) -> int:
 
 def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
                 known_images: Collection[str]) -> PackedAppend:
-  """Validates every trajectory; raises `TrajectoryValidationError` on the first bad field."""
+  """Validates every trajectory; raises `TrajectoryValidationError` on the first bad field.
+
+  `known_images`: the ids a trajectory may name (the unit's and the call's images;
+  the call's only when the store keeps a copy per trajectory)."""
   if not trajectories:
     raise ValueError("append needs at least one trajectory")
   toks, lps, masks, imgs = [], [], [], []
@@ -108,8 +116,7 @@ def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
     ids = tuple(t.image_ids)
     for image in ids:
       if image not in known_images:
-        raise Bad("image_ids", i, image, "image id is not in this unit's image table "
-                  "(pass the image to append(..., images=...))", gid)
+        raise Bad("image_ids", i, image, _UNKNOWN_IMAGE[schema.dedup_images], gid)
 
     toks += [prompt, resp]
     lps += [np.zeros(prompt.size, np.float32), lp.astype(np.float32, copy=False)]
