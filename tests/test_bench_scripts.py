@@ -33,6 +33,17 @@ def test_bench_store_writes_its_json(tmp_path):
   assert "image bytes on disk" in proc.stdout
 
 
+def test_bench_image_hash_writes_its_json(tmp_path):
+  out = tmp_path / "hash.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_image_hash.py", "--json", str(out),
+                         "--mb", "0.1", "--reps", "3"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  for name in ("blake2b_128", "xxh3_128", "image_id", "memcpy"):
+    assert result["MBps"][name] > 0 and result["ms_per_image"][name] > 0, name
+  assert result["image_MB"] == pytest.approx(0.1) and "xxh3_128" in proc.stdout
+
+
 def test_bench_admission_writes_its_json(tmp_path):
   out = tmp_path / "adm.json"
   proc = subprocess.run([sys.executable, "scripts/bench_admission.py", "--json", str(out),
