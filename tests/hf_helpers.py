@@ -43,6 +43,57 @@ def make_checkpoint(family: str, path: str, seed: int = 0, dtype=torch.float32, 
   return model
 
 
+# Tiny Qwen2-VL / Qwen2.5-VL checkpoints (tests/test_qwen_vl_model.py,
+# tests/test_qwen_vl_encode_once.py). Token ids of the image-pad, video-pad and
+# vision start / end tokens:
+IMAGE, VIDEO, START, END = 90, 91, 92, 93
+# Head dim 16: 8 rotary frequencies, split 2 / 3 / 3 over (t, h, w) like the released
+# (16, 24, 24); theta 1e4 so that small positions turn the pairs visibly.
+QWEN_VL_TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
+                    pad_token_id=0, rope_parameters={"rope_type": "default",
+                                                     "mrope_section": [2, 3, 3],
+                                                     "rope_theta": 10000.0})
+QWEN_VL_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+                   vision_end_token_id=END)
+QWEN_VL = {  # family -> (config class, model class, vision_config, tied embeddings)
+    # Tied embeddings, as Qwen2-VL-2B.
+    "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
+                 dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
+                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2), True),
+    # Windows of 2 x 2 merged tokens, layer 1 of 3 full; untied, as the 7B models.
+    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
+                   dict(depth=3, hidden_size=32, intermediate_size=40, out_hidden_size=64,
+                        num_heads=4, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
+                        window_size=16, fullatt_block_indexes=[1]), False),
+}
+
+
+def make_qwen_vl_checkpoint(family: str, path: str, seed: int = 0, text: dict | None = None,
+                            vision: dict | None = None):
+  """Saves a random tiny Qwen-VL model of `family` (QWEN_VL; `text` and `vision`
+  override its text_config and vision_config) to `path`; returns the torch model (eval
+  mode)."""
+  cfg_cls, model_cls, vision_config, tied = QWEN_VL[family]
+  torch.manual_seed(seed)
+  model = model_cls(cfg_cls(text_config={**QWEN_VL_TEXT, **(text or {})},
+                            vision_config={**vision_config, **(vision or {})},
+                            tie_word_embeddings=tied, **QWEN_VL_IDS)).eval()
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      # Weights of std 1 / sqrt(fan in) (not transformers' 0.02), so attention
+      # logits are O(1) and positions change the output; random norms and biases,
+      # so a mapping mistake shows.
+      if p.ndim > 1:
+        p.normal_(0, p[0].numel() ** -0.5)
+      elif ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
+        p.copy_(1 + 0.2 * torch.randn_like(p))
+      elif name.endswith(".bias"):
+        p.copy_(0.1 * torch.randn_like(p))
+  model.save_pretrained(path)
+  return model
+
+
 def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
   """Logits with the positions our decoder uses: real tokens counted from 0."""
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)

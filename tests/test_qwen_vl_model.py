@@ -10,6 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
+from hf_helpers import END, IMAGE, QWEN_VL, START, make_qwen_vl_checkpoint
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.hf import CheckpointError
 from knittrans_jax.train.mesh import MeshConfig, make_mesh
@@ -17,26 +18,9 @@ from knittrans_jax.train.mesh import MeshConfig, make_mesh
 FSDP_TP = MeshConfig(axes=(("fsdp", -1), ("tensor", 2)),
                      rules=(("batch", "fsdp"), ("embed", "fsdp"), ("heads", "tensor"),
                             ("mlp", "tensor"), ("vocab", "tensor")))
-IMAGE, VIDEO, START, END = 90, 91, 92, 93
-# Head dim 16: 8 rotary frequencies, split 2 / 3 / 3 over (t, h, w) like the released
-# (16, 24, 24); theta 1e4 so that small positions turn the pairs visibly.
-TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=1,
-            pad_token_id=0, rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3],
-                                             "rope_theta": 10000.0})
-IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
-           vision_end_token_id=END)
-FAMILIES = {
-    # Tied embeddings, as Qwen2-VL-2B.
-    "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
-                 dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
-                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2), True),
-    # Windows of 2 x 2 merged tokens, layer 1 of 3 full; untied, as the 7B models.
-    "qwen2_5_vl": (transformers.Qwen2_5_VLConfig, transformers.Qwen2_5_VLForConditionalGeneration,
-                   dict(depth=3, hidden_size=32, intermediate_size=40, out_hidden_size=64,
-                        num_heads=4, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
-                        window_size=16, fullatt_block_indexes=[1]), False),
-}
+# The tiny checkpoints (hf_helpers.QWEN_VL): head dim 16, M-RoPE sections 2 / 3 / 3;
+# qwen2_vl tied, qwen2_5_vl untied with 2 x 2-token windows.
+FAMILIES = QWEN_VL
 # Row 0: one tall image (5 x 3 merged); row 1: a wide image, text, then a smaller one;
 # row 2: text only. Left-padded to one length.
 GRID = [[1, 10, 6], [1, 6, 10], [1, 8, 4]]
@@ -74,23 +58,9 @@ def families(tmp_path_factory):
   """family -> (directory, transformers' model, our model), each made once."""
   out = {}
   mesh = make_mesh(FSDP_TP)
-  for family, (cfg_cls, model_cls, vision, tied) in FAMILIES.items():
-    torch.manual_seed(0)
-    theirs = model_cls(cfg_cls(text_config=TEXT, vision_config=vision, tie_word_embeddings=tied,
-                               **IDS)).eval()
-    with torch.no_grad():
-      for name, p in theirs.named_parameters():
-        # Weights of std 1 / sqrt(fan in) (not transformers' 0.02), so attention
-        # logits are O(1) and positions change the output; random norms and biases,
-        # so a mapping mistake shows.
-        if p.ndim > 1:
-          p.normal_(0, p[0].numel() ** -0.5)
-        elif ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
-          p.copy_(1 + 0.2 * torch.randn_like(p))
-        elif name.endswith(".bias"):
-          p.copy_(0.1 * torch.randn_like(p))
+  for family, (*_, tied) in FAMILIES.items():
     path = str(tmp_path_factory.mktemp(family))
-    theirs.save_pretrained(path)
+    theirs = make_qwen_vl_checkpoint(family, path)
     model, config = qwen_vl.load(path, mesh=mesh, rules=FSDP_TP.rules)
     assert config.family == family and config.text.tie_embeddings == tied
     out[family] = (path, theirs, model)

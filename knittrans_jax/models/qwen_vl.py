@@ -19,6 +19,9 @@ Decoding continues text positions: a new token's position is the row's count of
 real tokens so far plus the row's rope delta (max prompt position + 1 - prompt
 length), which the cache returned by `prefill` carries, so `decode_step` keeps the
 decoder's signature. Videos are not supported.
+
+Training with each unique image through the tower once per mini-batch (the n
+responses of a prompt share its image): multimodal/qwen_images.py.
 """
 from __future__ import annotations
 
@@ -191,11 +194,21 @@ class QwenVL(nnx.Module):
   def embed(self, tokens, image_embeds=None):
     """Token embeddings with the k-th image-pad token (row-major over the batch) taking
     image_embeds[k]. With host tokens the counts are checked here; under jit it is
-    mrope_positions, run on the same tokens, that checks them."""
+    mrope_positions, run on the same tokens, that checks them.
+
+    image_embeds may instead be [B, T, width], aligned with the tokens: each image-pad
+    token takes its own row and the rest is ignored. The encode-once step gathers it
+    from the mini-batch's unique images (multimodal/qwen_images.py); unlike the
+    row-major form it needs no count across rows, so it stays local to a batch shard."""
     x = self.decoder.embed(tokens)
     if image_embeds is None:
       return x
     is_image = tokens == self.config.image_token_id
+    if image_embeds.ndim == 3:
+      if image_embeds.shape[:2] != tokens.shape:
+        raise ValueError(f"image_embeds has shape {tuple(image_embeds.shape)}; aligned with "
+                         f"tokens {tuple(tokens.shape)} it must be [B, T, width]")
+      return jnp.where(is_image[..., None], image_embeds.astype(x.dtype), x)
     try:
       count = int(np.sum(np.asarray(is_image)))
     except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
@@ -218,7 +231,8 @@ class QwenVL(nnx.Module):
   def __call__(self, tokens, attention_mask, pixel_values=None, image_grid_thw=None, *,
                positions=None, image_embeds=None):
     """`positions` [3, B, T] from mrope_positions (computed here from host tokens when
-    not given); `image_embeds`, the output of `encode`, in place of pixel_values."""
+    not given); `image_embeds`, the output of `encode` (or [B, T, width] aligned with the
+    tokens, see `embed`), in place of pixel_values."""
     if positions is None:
       positions, _ = mrope_positions(tokens, image_grid_thw, self.config, attention_mask)
     x = self.embed(tokens, self._image_embeds(pixel_values, image_grid_thw, image_embeds))

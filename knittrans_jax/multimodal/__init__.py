@@ -1,7 +1,9 @@
 """Multimodal encoding deduplication: plan the mini-batch's unique images, encode
 each once, accumulate embedding cotangents, back-propagate the encoder once."""
 from knittrans_jax.multimodal.encode_once import (EncodeOnceConfig, EncodeOnceStep, EncoderCalls,
-                                                   StochasticEncoderError, check_deterministic,
-                                                   naive_vlm_forward)
+                                                   ImagePath, PrefixImages, StochasticEncoderError,
+                                                   check_deterministic, naive_vlm_forward)
 from knittrans_jax.multimodal.image_plan import ImagePlan, ImagePlanError, plan_images
+from knittrans_jax.multimodal.qwen_images import (ImagePack, PackedImages, QwenVLImages,
+                                                   image_fields, plan_pack)
 from knittrans_jax.multimodal.slot_reads import read_slot_images, slots_from_images

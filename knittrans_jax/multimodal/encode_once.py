@@ -23,6 +23,13 @@ Residuals (EncodeOnceConfig.residuals):
              across the backbone micro-batches.
 Both need the encoder to compute the same function at both times, hence the
 determinism guard (dropout refused).
+
+Models: an ImagePath says how a VLM's images reach its backbone (what is encoded,
+how a micro-batch finds its rows' embeddings, the layouts of both). PrefixImages
+(the default) is models/vlm.py's toy VLM: image slots [U, H, W, C] -> E [U, tokens,
+d], a row's slot placed before its text. multimodal/qwen_images.QwenVLImages is
+Qwen2-VL / Qwen2.5-VL's: the unique images packed for the tower -> E [merged
+patches, d], each image-pad token taking its row of E, M-RoPE positions from the host.
 """
 from __future__ import annotations
 
@@ -38,10 +45,10 @@ from flax import nnx
 from knittrans_jax.models.layers import wide
 from knittrans_jax.models.vlm import vlm_forward
 from knittrans_jax.train.batch import batch_shardings
-from knittrans_jax.train.mesh import logical_sharding, replicated
+from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
 
-ENCODER_KEYS = ("encoder", "projector")  # the VLM's image path: ViT, then projector
+ENCODER_KEYS = ("encoder", "projector")  # the toy VLM's image path: ViT, then projector
 
 
 class StochasticEncoderError(ValueError):
@@ -82,9 +89,10 @@ class EncoderCalls:
       self.backward_calls += 1
       self.backward_images += int(n)
 
-  def tag(self, embeds):
-    """Identity on the encoder's output whose forward and backward tick the tallies."""
-    n = embeds.shape[0]
+  def tag(self, embeds, n: int | None = None):
+    """Identity on the encoder's output whose forward and backward tick the tallies by
+    `n` images (default: E's leading dim, one image per row of E)."""
+    n = embeds.shape[0] if n is None else n
 
     @jax.custom_vjp
     def ident(x):
@@ -107,33 +115,32 @@ class EncoderCalls:
             "backward_images": self.backward_images, "backward_calls": self.backward_calls}
 
 
-def _in_encoder(path, _value) -> bool:
-  return path[0] in ENCODER_KEYS
-
-
-def split_encoder(params):
-  """(encoder + projector params, the rest) of a VLM's nnx.State, same nesting."""
-  return nnx.split_state(params, _in_encoder, ...)
+def split_encoder(params, keys: tuple[str, ...] = ENCODER_KEYS):
+  """(the image path's params, the rest) of a VLM's nnx.State, same nesting; `keys`
+  are the image path's top-level modules (ImagePath.encoder_keys)."""
+  return nnx.split_state(params, lambda path, _: path[0] in keys, ...)
 
 
 def join(*parts):
   return nnx.merge_state(*parts)
 
 
-def check_deterministic(model: nnx.Module) -> None:
-  """Refuses an image path with active dropout (or anything else drawing rngs)."""
-  for name in ENCODER_KEYS:
+def check_deterministic(model: nnx.Module, keys: tuple[str, ...] = ENCODER_KEYS) -> None:
+  """Refuses an image path (the submodules `keys`, ImagePath.encoder_keys) with active
+  dropout (or anything else drawing rngs)."""
+  for name in keys:
     sub = getattr(model, name, None)
     if sub is None:
       raise StochasticEncoderError(f"model has no '{name}' submodule; the encode-once step "
-                                   f"needs a VLM with {ENCODER_KEYS}")
+                                   f"needs a VLM with {keys}")
     for path, module in nnx.iter_modules(sub):
       where = ".".join(str(p) for p in (name, *path))
       if isinstance(module, nnx.Dropout) and module.rate > 0 and not module.deterministic:
         raise StochasticEncoderError(
             f"{where} is dropout with rate {module.rate}: a stochastic encoder gives a "
             "different embedding each time, so one encode per image would not equal the naive "
-            "gradient. Set ViTConfig.dropout = 0 (or use the naive step).")
+            "gradient. Set the encoder's dropout to 0 (ViTConfig.dropout for the toy "
+            "ViT) or use the naive step.")
       if isinstance(module, nnx.Rngs):
         raise StochasticEncoderError(f"{where} holds an rng stream; the encoder must be "
                                      "deterministic within a mini-batch")
@@ -151,28 +158,98 @@ def naive_vlm_forward(calls: EncoderCalls | None = None):
   return forward
 
 
+class ImagePath:
+  """How a VLM's images reach its backbone, for EncodeOnceStep. Subclasses set the
+  class attributes and define `encode` and `logits` (traced inside the step); they
+  are frozen dataclasses, equal when they compute the same thing (a static jit key)."""
+  encoder_keys: tuple[str, ...]  # top-level modules of the image path (get the encoder VJP)
+  images_axes: tuple  # logical axes of the images' array
+  embeds_axes: tuple  # logical axes of E
+  index_keys: tuple[str, ...]  # micro-batch fields that find each row's embeddings in E
+  naive_keys: tuple[str, ...]  # the naive step's image fields (must not come here)
+
+  def encode(self, model, images):
+    """E, the encoder's output for the mini-batch's unique images."""
+    raise NotImplementedError
+
+  def logits(self, model, embeds, batch):
+    """The backbone's logits for one micro-batch, its rows' embeddings taken from E."""
+    raise NotImplementedError
+
+  def num_images(self, images) -> int:
+    """Images in one encoder call (for EncoderCalls): one per leading row."""
+    return jax.tree.leaves(images)[0].shape[0]
+
+  def check_images(self, images, shards: int) -> None:
+    """A named error where jit would refuse the layout: the images' leading dim must
+    split over the batch shards."""
+    n = jax.tree.leaves(images)[0].shape[0]
+    if n % shards:
+      raise ValueError(f"the mini-batch's images have {n} rows, which do not split over "
+                       f"{shards} batch shards; pad them (plan_images' slot_multiple)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefixImages(ImagePath):
+  """models/vlm.py's VLM: slots [U, H, W, C] -> E [U, tokens, d]; each row's slot
+  (batch['image_index'] [B]) goes before its text tokens."""
+  encoder_keys = ENCODER_KEYS
+  images_axes = ("batch", None, None, None)
+  embeds_axes = ("batch", None, None)
+  index_keys = ("image_index",)
+  naive_keys = ("images",)
+
+  def encode(self, model, images):
+    return model.encode(images)
+
+  def logits(self, model, embeds, batch):
+    prefix = jnp.take(embeds, batch["image_index"], axis=0)  # its VJP: scatter-add into dE
+    return model.decode(prefix, batch["tokens"], batch["attention_mask"])
+
+
 @dataclasses.dataclass
 class Encoded:
   """What `encode` hands the rest of the mini-batch."""
-  embeds: jax.Array  # [U, patches, d], sharded over the batch axes like the images
+  embeds: jax.Array  # E, sharded over the batch axes like the images
   residuals: Any  # the encoder's VJP closure ('keep') or None ('recompute')
+
+
+def _backbone(fns: StepFunctions, path: ImagePath, params, embeds, acc, acc_e, batch,
+              total_tokens):
+  """One backbone micro-batch (traced). A module function of static (fns, path): it
+  depends on neither the residual mode nor the tallies, so every step over the same
+  StepFunctions and path (both modes, counted or not) shares its compiled form."""
+  enc, rest = split_encoder(params, path.encoder_keys)
+
+  def loss_fn(rest_p, e):
+    model = nnx.merge(fns.graphdef, join(enc, rest_p))
+    # The path gathers the rows' embeddings from E; the gather's VJP scatter-adds into dE.
+    loss_sum, sums = fns.objective_sum(path.logits(model, e, batch), batch)
+    return loss_sum / total_tokens, sums
+
+  (_, sums), (g_rest, g_e) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
+      rest, embeds)
+  acc_enc, acc_rest = split_encoder(acc, path.encoder_keys)
+  acc_rest = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_rest, g_rest)
+  return join(acc_enc, acc_rest), acc_e + g_e.astype(acc_e.dtype), sums
 
 
 class EncodeOnceStep:
   """The deduplicated mini-batch step around a VLM's StepFunctions (see module doc)."""
 
   def __init__(self, fns: StepFunctions, config: EncodeOnceConfig | None = None,
-               calls: EncoderCalls | None = None):
+               calls: EncoderCalls | None = None, path: ImagePath | None = None):
     self.fns = fns
     self.config = config = config or EncodeOnceConfig()
+    self.path = path = path if path is not None else PrefixImages()
     self.calls = calls if calls is not None else (EncoderCalls() if config.count_calls else None)
     # A stochastic encoder never gets here: its rng state cannot be split into a
     # params-only train state. Callers check the model first (check_deterministic).
     mesh, rules = fns.mesh, fns.rules
-    self.images_sharding = logical_sharding(mesh, rules, "batch", None, None, None)
-    self.embeds_sharding = logical_sharding(mesh, rules, "batch", None, None)
+    self.images_sharding = logical_sharding(mesh, rules, *path.images_axes)
+    self.embeds_sharding = logical_sharding(mesh, rules, *path.embeds_axes)
+    self._shards = batch_size_multiple(mesh, rules)
     self._param_sh = fns.shardings.params
-    self._enc_sh, _ = split_encoder(self._param_sh)
     self._jitted: dict = {}
     self._zero_e = jax.jit(lambda e: jnp.zeros(e.shape, wide(e.dtype)),
                            in_shardings=(self.embeds_sharding,), out_shardings=self.embeds_sharding)
@@ -190,27 +267,30 @@ class EncodeOnceStep:
           out_shardings=self._param_sh, donate_argnums=2)
 
   # -- traced pieces ------------------------------------------------------------
+  def _split(self, params):
+    return split_encoder(params, self.path.encoder_keys)
+
   def _encoder_fn(self, params, images):
     """enc params -> E, with the rest of the model held fixed."""
-    _, rest = split_encoder(params)
+    _, rest = self._split(params)
 
     def f(enc):
-      embeds = nnx.merge(self.fns.graphdef, join(enc, rest)).encode(images)
+      embeds = self.path.encode(nnx.merge(self.fns.graphdef, join(enc, rest)), images)
       if self.calls is not None:
-        embeds = self.calls.tag(embeds)
+        embeds = self.calls.tag(embeds, self.path.num_images(images))
       return jax.lax.with_sharding_constraint(embeds, self.embeds_sharding)
     return f
 
   def _encode_only(self, params, images):
-    enc, _ = split_encoder(params)
+    enc, _ = self._split(params)
     return self._encoder_fn(params, images)(enc)
 
   def _encode_keep(self, params, images):
-    enc, _ = split_encoder(params)
+    enc, _ = self._split(params)
     return jax.vjp(self._encoder_fn(params, images), enc)
 
   def _merge_encoder_grads(self, acc, g_enc):
-    acc_enc, acc_rest = split_encoder(acc)
+    acc_enc, acc_rest = self._split(acc)
     acc_enc = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_enc, g_enc)
     return join(acc_enc, acc_rest)
 
@@ -219,30 +299,17 @@ class EncodeOnceStep:
     return self._merge_encoder_grads(acc, g_enc)
 
   def _finish_recompute(self, params, images, acc, acc_e):
-    enc, _ = split_encoder(params)
+    enc, _ = self._split(params)
     _, vjp_fn = jax.vjp(self._encoder_fn(params, images), enc)
     (g_enc,) = vjp_fn(acc_e)
     return self._merge_encoder_grads(acc, g_enc)
 
-  def _backbone(self, params, embeds, acc, acc_e, batch, total_tokens):
-    enc, rest = split_encoder(params)
-
-    def loss_fn(rest_p, e):
-      model = nnx.merge(self.fns.graphdef, join(enc, rest_p))
-      prefix = jnp.take(e, batch["image_index"], axis=0)  # its VJP: scatter-add into dE
-      logits = model.decode(prefix, batch["tokens"], batch["attention_mask"])
-      loss_sum, sums = self.fns.objective_sum(logits, batch)
-      return loss_sum / total_tokens, sums
-
-    (_, sums), (g_rest, g_e) = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(
-        rest, embeds)
-    acc_enc, acc_rest = split_encoder(acc)
-    acc_rest = jax.tree.map(lambda a, g: a + g.astype(a.dtype), acc_rest, g_rest)
-    return join(acc_enc, acc_rest), acc_e + g_e.astype(acc_e.dtype), sums
 
   # -- entry points ---------------------------------------------------------------
   def encode(self, params, images) -> Encoded:
-    """Encoder forward on the mini-batch's image slots [U, H, W, C] (once per image)."""
+    """Encoder forward on the mini-batch's unique images, once per image (the toy VLM's
+    slots [U, H, W, C]; Qwen-VL's qwen_images.PackedImages)."""
+    self.path.check_images(images, self._shards)
     if self.config.residuals == "keep":
       embeds, vjp_fn = self._encode(params, images)
       return Encoded(embeds, vjp_fn)
@@ -258,21 +325,23 @@ class EncodeOnceStep:
 
   def backbone(self, params, encoded: Encoded, acc, acc_e, batch: dict, total_tokens):
     """One backbone micro-batch: adds its parameter gradients into `acc` and its
-    embedding cotangents into `acc_e` (both donated). `batch['image_index']` [B]
-    gives each row's slot in E."""
-    if "image_index" not in batch or "images" in batch:
-      raise ValueError("an encode-once micro-batch carries 'image_index' (slots of the "
-                       f"mini-batch's images) and no 'images'; got keys {sorted(batch)}")
+    embedding cotangents into `acc_e` (both donated). The path's index fields (the
+    toy VLM's `image_index` [B], each row's slot in E) find the rows' embeddings."""
+    index, naive = self.path.index_keys, self.path.naive_keys
+    if any(k not in batch for k in index) or any(k in batch for k in naive):
+      raise ValueError(f"an encode-once micro-batch carries {list(index)} (where its rows' "
+                       f"embeddings sit in the mini-batch's E) and none of {list(naive)}; got "
+                       f"keys {sorted(batch)}")
     key = tuple(sorted((k, v.shape) for k, v in batch.items())) + (encoded.embeds.shape,)
     if key not in self._jitted:
       repl = replicated(self.fns.mesh)
       self._jitted[key] = jax.jit(
-          self._backbone, in_shardings=(self._param_sh, self.embeds_sharding, self._param_sh,
-                                        self.embeds_sharding,
-                                        batch_shardings(self.fns.mesh, self.fns.rules, batch),
-                                        repl),
-          out_shardings=(self._param_sh, self.embeds_sharding, repl), donate_argnums=(2, 3))
-    return self._jitted[key](params, encoded.embeds, acc, acc_e, batch,
+          _backbone, static_argnums=(0, 1),
+          in_shardings=(self._param_sh, self.embeds_sharding, self._param_sh,
+                        self.embeds_sharding,
+                        batch_shardings(self.fns.mesh, self.fns.rules, batch), repl),
+          out_shardings=(self._param_sh, self.embeds_sharding, repl), donate_argnums=(4, 5))
+    return self._jitted[key](self.fns, self.path, params, encoded.embeds, acc, acc_e, batch,
                              jnp.float32(total_tokens))
 
   def encoder_grads(self, params, images, encoded: Encoded, acc, acc_e):

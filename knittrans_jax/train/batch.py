@@ -8,7 +8,10 @@ A text batch is a dict of
   advantages      float32 [B]
 and a VLM batch adds images float32 [B, H, W, C] (the naive step: one image per
 row) or image_index int32 [B] (the encode-once step: each row's slot among the
-mini-batch's unique images, multimodal/).
+mini-batch's unique images, multimodal/). A Qwen-VL encode-once batch adds instead
+positions int32 [B, 3, T] (M-RoPE, rows first so they shard like the tokens) and
+embed_index int32 [B, T] (the row of the packed image embeddings each image-pad
+token takes; multimodal/qwen_images.py).
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ SPEC = {  # name: (dtype kind, rank)
     "tokens": ("iu", 2), "attention_mask": ("bui", 2), "loss_mask": ("fbui", 2),
     "behaviour_logp": ("f", 2), "advantages": ("f", 1),
 }
-OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2), "image_index": ("iu", 1)}
+OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2), "image_index": ("iu", 1),
+            "positions": ("iu", 3), "embed_index": ("iu", 2)}
 
 
 class BadBatchError(ValueError):

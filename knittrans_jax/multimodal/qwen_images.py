@@ -1,0 +1,207 @@
+"""Encode-once for Qwen2-VL / Qwen2.5-VL (models/qwen_vl.py): the mini-batch's unique
+images go through the vision tower once, packed; each image-pad token of each
+micro-batch takes its row of the tower's output E; one tower VJP per mini-batch.
+
+    iplan = plan_images(plan.consumers, ...)                    # unique images -> owners
+    pack = plan_pack(iplan, grids, merge, unit_multiple)        # -> E's rows, static grid
+    step = EncodeOnceStep(fns, config, path=QwenVLImages())
+    images = jax.device_put(pack.images(pixels), step.images_sharding)
+    micro = {**text_fields, **image_fields(tokens, mask, row_images, pack, model_config)}
+    grads, sums = step.mini_batch_grads(params, images, micros, total_tokens)
+
+Host side (numpy, pure Python over metadata):
+  plan_pack   Lays the unique images out consumer by consumer, as plan_images owns
+              them, each consumer's chunk padded with one zero image to the same
+              number of merged rows (a multiple of `unit_multiple`), so E and the
+              packed pixel_values split evenly over the batch shards and consumer c's
+              images land on c's shards. A padding image is its own attention
+              segment and no token reads its rows: its cotangent is zero and it adds
+              exactly nothing to the gradient.
+  image_fields  For one micro-batch: `positions` [B, 3, T] (M-RoPE, from
+              qwen_vl.mrope_positions, rows first so they shard like the tokens) and
+              `embed_index` [B, T] (the row of E each image-pad token takes; 0 on
+              other tokens, which never read it). A run of image-pad tokens that is
+              not its image's size is an error naming both counts.
+Traced (QwenVLImages, the ImagePath): E = the tower on the packed images; a
+micro-batch's logits are QwenVL's with image_embeds = E[embed_index], aligned with
+the tokens, whose VJP scatter-adds each token's cotangent into its row of dE.
+
+The tower's attention pattern depends on the grid, so the encoder compiles once per
+distinct packed grid (images of new sizes, or new paddings, recompile); the backbone
+compiles once per micro-batch shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from knittrans_jax.models.qwen_vl import QwenVLConfig, mrope_positions
+from knittrans_jax.multimodal.encode_once import ImagePath
+from knittrans_jax.multimodal.image_plan import ImagePlan, ImagePlanError
+
+Grid = tuple[tuple[int, int, int], ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedImages:
+  """The tower's input: pixel_values [patches, C*T*P*P] (the pytree's one leaf) and
+  image_grid_thw as static metadata (in the treedef, so jit keys on it)."""
+  pixel_values: Any
+  grid: Grid = dataclasses.field(metadata=dict(static=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class ImagePack:
+  """Where the mini-batch's unique images sit in the packed tower input and in E."""
+  ids: tuple[str | None, ...]  # per packed image; None pads
+  grid: Grid
+  rows: tuple[int, ...]  # each packed image's first row of E
+  merge: int
+  rows_per_consumer: int
+
+  def merged(self, i: int) -> int:
+    t, h, w = self.grid[i]
+    return t * h * w // self.merge ** 2
+
+  @property
+  def num_rows(self) -> int:
+    """Rows of E (merged patches), padding included."""
+    return sum(self.merged(i) for i in range(len(self.grid)))
+
+  @property
+  def num_unique(self) -> int:
+    return sum(i is not None for i in self.ids)
+
+  def where(self, image_id: str) -> tuple[int, int]:
+    """(first row of E, merged patches) of an image."""
+    i = self.ids.index(image_id)
+    return self.rows[i], self.merged(i)
+
+  def images(self, pixels: Mapping[str, np.ndarray], dtype=None) -> PackedImages:
+    """The packed tower input from each image's pixel_values [t*h*w, C*T*P*P] (as the
+    image processor gives them); padding images are zeros."""
+    real = next(iter(pixels.values()))
+    dtype = dtype or real.dtype
+    parts = []
+    for iid, (t, h, w) in zip(self.ids, self.grid):
+      if iid is None:
+        parts.append(np.zeros((t * h * w, real.shape[1]), dtype))
+        continue
+      if iid not in pixels:
+        raise ImagePlanError(f"no pixel_values for image {iid!r}")
+      if pixels[iid].shape != (t * h * w, real.shape[1]):
+        raise ImagePlanError(f"image {iid!r}: pixel_values {pixels[iid].shape}, its grid "
+                             f"{(t, h, w)} needs {(t * h * w, real.shape[1])}")
+      parts.append(np.asarray(pixels[iid], dtype))
+    return PackedImages(np.concatenate(parts), self.grid)
+
+
+def plan_pack(plan: ImagePlan, grids: Mapping[str, Sequence[int]], merge: int,
+              unit_multiple: int = 1) -> ImagePack:
+  """Packs plan_images' unique images consumer by consumer (see the module doc).
+  `grids` maps an image id to its (t, h, w) in patches; each consumer's chunk is
+  padded to the same number of merged rows, a multiple of `unit_multiple` (the batch
+  shards per consumer)."""
+  if unit_multiple < 1 or merge < 1:
+    raise ImagePlanError(f"unit_multiple = {unit_multiple} and merge = {merge} must be >= 1")
+  C = len(plan.owned)
+  chunks = []
+  for c in range(C):
+    owned = [i for i in plan.consumer_slots(c) if i is not None]
+    chunk = []
+    for iid in owned:
+      if iid not in grids:
+        raise ImagePlanError(f"no image_grid_thw for image {iid!r}")
+      t, h, w = (int(v) for v in grids[iid])
+      if t < 1 or h < merge or w < merge or h % merge or w % merge:
+        raise ImagePlanError(f"image {iid!r}: grid {(t, h, w)} needs t >= 1 and h, w positive "
+                             f"multiples of merge = {merge}")
+      chunk.append((iid, (t, h, w)))
+    chunks.append(chunk)
+  used = [sum(t * h * w // merge ** 2 for _, (t, h, w) in ch) for ch in chunks]
+  per = max(-(-max(max(used), 1) // unit_multiple) * unit_multiple, 1)
+  ids, grid, rows, row = [], [], [], 0
+  for chunk, n in zip(chunks, used):
+    if per > n:  # one padding image of (per - n) merged rows: 1 x merge x (per - n) merges
+      chunk = chunk + [(None, (1, merge, merge * (per - n)))]
+    for iid, g in chunk:
+      ids.append(iid)
+      grid.append(g)
+      rows.append(row)
+      row += g[0] * g[1] * g[2] // merge ** 2
+  return ImagePack(tuple(ids), tuple(grid), tuple(rows), merge, per)
+
+
+def image_fields(tokens, attention_mask, row_images: Sequence[Sequence[str]], pack: ImagePack,
+                 config: QwenVLConfig) -> dict[str, np.ndarray]:
+  """`positions` int32 [B, 3, T] and `embed_index` int32 [B, T] for one micro-batch
+  (module doc). Row b's k-th run of image-pad tokens is the image row_images[b][k]."""
+  tokens = np.asarray(tokens)
+  mask = np.asarray(attention_mask).astype(bool)
+  B, T = tokens.shape
+  if len(row_images) != B:
+    raise ValueError(f"row_images has {len(row_images)} rows; tokens have {B}")
+  index = np.zeros((B, T), np.int32)
+  grid = []
+  for b in range(B):
+    is_image = (tokens[b] == config.image_token_id) & mask[b]
+    edges = np.flatnonzero(np.diff(np.r_[0, is_image.astype(np.int8), 0]))
+    runs = list(zip(edges[::2], edges[1::2]))
+    if len(runs) != len(row_images[b]):
+      raise ValueError(f"row {b}: {len(runs)} run(s) of image-pad tokens (id "
+                       f"{config.image_token_id}) but {len(row_images[b])} image(s) "
+                       f"{list(row_images[b])}")
+    for (i, j), iid in zip(runs, row_images[b]):
+      if iid not in pack.ids:
+        raise ValueError(f"row {b}: image {iid!r} is not in the mini-batch's pack")
+      start, merged = pack.where(iid)
+      if j - i != merged:
+        raise ValueError(f"row {b}: image {iid!r} has {merged} merged patches (grid "
+                         f"{pack.grid[pack.ids.index(iid)]}, merge {pack.merge}) but its run "
+                         f"of image-pad tokens at {i} has {j - i}")
+      index[b, i:j] = np.arange(start, start + merged)
+      grid.append(pack.grid[pack.ids.index(iid)])
+  positions, _ = mrope_positions(tokens, np.asarray(grid, np.int64).reshape(-1, 3) if grid
+                                 else None, config, mask)
+  return {"positions": np.ascontiguousarray(positions.transpose(1, 0, 2)), "embed_index": index}
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenVLImages(ImagePath):
+  """models/qwen_vl.py's QwenVL: PackedImages -> E [merged patches, width]; each
+  image-pad token takes E[batch['embed_index']] at M-RoPE batch['positions']."""
+  merge: int = 2  # the tower's spatial merge (QwenVisionConfig.merge): patches per E row
+  encoder_keys = ("visual",)
+  images_axes = ("batch", None)
+  embeds_axes = ("batch", None)
+  index_keys = ("embed_index", "positions")
+  naive_keys = ("pixel_values", "images")
+
+  def encode(self, model, images: PackedImages):
+    return model.encode(images.pixel_values, images.grid)
+
+  def logits(self, model, embeds, batch):
+    rows = jnp.take(embeds, batch["embed_index"], axis=0)  # [B, T, width], by token
+    positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> the decoder's [3, B, T]
+    return model(batch["tokens"], batch["attention_mask"], positions=positions,
+                 image_embeds=rows)
+
+  def num_images(self, images: PackedImages) -> int:
+    return len(images.grid)
+
+  def check_images(self, images: PackedImages, shards: int) -> None:
+    patches = sum(t * h * w for t, h, w in images.grid)
+    got = images.pixel_values.shape[0]
+    if got != patches:
+      raise ValueError(f"PackedImages: pixel_values has {got} patches; its grid "
+                       f"{list(images.grid)} has {patches}")
+    rows = patches // self.merge ** 2
+    if rows % shards:
+      raise ValueError(f"PackedImages: {rows} rows of E ({patches} patches / merge^2) do not "
+                       f"split over {shards} batch shards; pass plan_pack a unit_multiple of "
+                       "the shards per consumer")
