@@ -593,7 +593,9 @@ def learning_section(lr) -> list[str]:
           "every configuration with every seed, one run at a time; final reward = mean held-out "
           f"{lr['metric']} reward of the current policy over the last 10% of the steps. Gap "
           f"closed: share of the `{lr['reference']}` vs `{lr['baseline']}` gap in final reward, "
-          "bootstrap over seeds. docs/learning.md reads it.", "",
+          "bootstrap over seeds. docs/learning.md reads it. The study resumes: its finished "
+          "runs are read, not rerun, so the wall time in the table above is this call's; "
+          "docs/learning.md gives the runs' own.", "",
           "![learning](study_learning_curves.png)", "", lr["table"], "",
           "![dose-response](study_dose_response.png)", ""]
 
