@@ -79,19 +79,23 @@ def make_qwen_vl_checkpoint(family: str, path: str, seed: int = 0, text: dict | 
   model = model_cls(cfg_cls(text_config={**QWEN_VL_TEXT, **(text or {})},
                             vision_config={**vision_config, **(vision or {})},
                             tie_word_embeddings=tied, **QWEN_VL_IDS)).eval()
+  randomize_vl_(model.named_parameters())
+  model.save_pretrained(path)
+  return model
+
+
+def randomize_vl_(named_parameters) -> None:
+  """In place: weights of std 1 / sqrt(fan in) (not transformers' 0.02), so attention
+  logits are O(1) and masks and positions change the output; random norms and
+  biases, so a mapping mistake shows."""
   with torch.no_grad():
-    for name, p in model.named_parameters():
-      # Weights of std 1 / sqrt(fan in) (not transformers' 0.02), so attention
-      # logits are O(1) and positions change the output; random norms and biases,
-      # so a mapping mistake shows.
+    for name, p in named_parameters:
       if p.ndim > 1:
         p.normal_(0, p[0].numel() ** -0.5)
       elif ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
         p.copy_(1 + 0.2 * torch.randn_like(p))
       elif name.endswith(".bias"):
         p.copy_(0.1 * torch.randn_like(p))
-  model.save_pretrained(path)
-  return model
 
 
 def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -12,6 +12,7 @@ import transformers
 from flax import nnx
 from PIL import Image
 
+from hf_helpers import randomize_vl_
 from knittrans_jax.models import qwen_image_processor as qip
 from knittrans_jax.models import qwen_vision as qv
 from knittrans_jax.models.hf import CheckpointError
@@ -50,17 +51,7 @@ def checkpoints(tmp_path_factory):
   for family, (cfg_cls, model_cls, vision) in VISION.items():
     torch.manual_seed(0)
     model = model_cls(cfg_cls(text_config=TEXT, vision_config=vision)).eval()
-    with torch.no_grad():
-      for name, p in model.model.visual.named_parameters():
-        # Weights of std 1 / sqrt(fan in) rather than transformers' 0.02, so attention
-        # logits are O(1) and the masks and rotary positions change the output;
-        # random norms and biases, so a mapping mistake shows.
-        if p.ndim > 1:
-          p.normal_(0, p[0].numel() ** -0.5)
-        elif ("norm" in name or "ln_q" in name) and name.endswith(".weight"):
-          p.copy_(1 + 0.2 * torch.randn_like(p))
-        elif name.endswith(".bias"):
-          p.copy_(0.1 * torch.randn_like(p))
+    randomize_vl_(model.model.visual.named_parameters())
     path = str(tmp_path_factory.mktemp(family))
     model.save_pretrained(path)
     out[family] = (path, model.model.visual)
