@@ -7,6 +7,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import threading
 from typing import Iterable
 
 from knittrans_jax.faults.data import mismatches
@@ -33,14 +34,72 @@ class Outcome:
     return dataclasses.asdict(self)
 
 
+class DrainedProcess:
+  """A child process whose stdout and stderr are read by threads as they come.
+
+  A parent that reads a child's pipes only after it exits deadlocks once the child
+  has written a pipe buffer's worth (64 KiB on Linux) of output: the child blocks in
+  write and never exits. Draining as it goes keeps the child free to print.
+  """
+
+  def __init__(self, cmd: list[str], env: dict | None = None):
+    self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env=env)
+    self._out: list[str] = []
+    self._err: list[str] = []
+    self._cv = threading.Condition()
+    self._stdout_closed = False
+    self._threads = [threading.Thread(target=self._drain, args=(pipe, lines), daemon=True)
+                     for pipe, lines in ((self.proc.stdout, self._out),
+                                         (self.proc.stderr, self._err))]
+    for t in self._threads:
+      t.start()
+
+  def _drain(self, pipe, lines: list[str]) -> None:
+    for line in pipe:
+      with self._cv:
+        lines.append(line)
+        self._cv.notify_all()
+    pipe.close()
+    with self._cv:
+      self._stdout_closed |= lines is self._out
+      self._cv.notify_all()
+
+  @property
+  def returncode(self) -> int | None:
+    return self.proc.returncode
+
+  def poll(self) -> int | None:
+    return self.proc.poll()
+
+  def send_signal(self, sig: int) -> None:
+    self.proc.send_signal(sig)
+
+  def wait_for_line(self, timeout: float) -> None:
+    """Blocks until the child has printed a line to stdout; an error if it ends first."""
+    with self._cv:
+      if not self._cv.wait_for(lambda: self._out or self._stdout_closed, timeout=timeout):
+        raise TimeoutError(f"{self.proc.args[:4]}... printed nothing in {timeout} s")
+      if not self._out:
+        raise RuntimeError(f"{self.proc.args[:4]}... ended without printing: "
+                           f"{''.join(self._err)[-300:]}")
+
+  def communicate(self, timeout: float) -> tuple[str, str]:
+    """Waits for exit and for both pipes to close; returns all of stdout and stderr."""
+    self.proc.wait(timeout=timeout)
+    for t in self._threads:
+      t.join(timeout=timeout)
+    with self._cv:
+      return "".join(self._out), "".join(self._err)
+
+
 def start_writer(url: str, unit: str, seed: int, first: int, count: int, n: int,
-                 seconds: float | None = None, env: dict | None = None) -> subprocess.Popen:
+                 seconds: float | None = None, env: dict | None = None) -> DrainedProcess:
   cmd = [sys.executable, "-m", "knittrans_jax.faults.writer_proc", url, unit, str(seed),
          str(first), str(count), str(n)]
   if seconds is not None:
     cmd.append(str(seconds))
-  return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, **(env or {})})
+  return DrainedProcess(cmd, env={**os.environ, **(env or {})})
 
 
 def acked_groups(stdout: str) -> set[int]:
