@@ -84,9 +84,14 @@ class Payload:
   @property
   def nbytes_read(self) -> int:
     """Bytes the read moved (every image copy counted)."""
+    return self._seq_nbytes() + self.image_nbytes_read
+
+  @property
+  def image_nbytes_read(self) -> int:
+    """Image bytes the read moved (every image copy counted)."""
     if self.image_bytes_read is None:
-      return self.nbytes
-    return self._seq_nbytes() + self.image_bytes_read
+      return sum(a.nbytes for a in self.images.values())
+    return self.image_bytes_read
 
   def _seq_nbytes(self) -> int:
     return sum(a.nbytes for arrs in (self.tokens, self.logprobs, self.loss_mask) for a in arrs)

@@ -185,6 +185,31 @@ def test_no_dedup_round_trips_and_holds_a_copy_per_trajectory(tmp_path):
   np.testing.assert_array_equal(nod.read(more).result().images[images[0].id], images[0].array)
 
 
+def test_quarantining_reader_counts_every_copy_it_read(tmp_path):
+  """Its payload's nbytes_read equals the store's: each trajectory's own copy counts
+  without dedup; with a quarantined unit, the copies of the rows read one by one."""
+  from knittrans_jax.storage.quarantine import QuarantiningReader
+  images = _images(4, seed=3)
+  for dedup in (True, False):
+    store = TrajectoryStore.create(f"file://{tmp_path}/q{int(dedup)}", _schema(dedup_images=dedup))
+    metas = _write_groups(store, "a", images[:2]) + _write_groups(store, "b", images[2:])
+    pick = metas[:3] + metas[N:N + 2] + metas[2 * N:2 * N + 3]  # 8 rows, 3 images
+    direct = store.read(pick).result()
+    assert direct.image_bytes_read == 768 * (3 if dedup else 8)
+    q = QuarantiningReader(TrajectoryStore.open(store.url))
+    assert q.read(pick).nbytes_read == direct.nbytes_read
+    # Damage unit b's image (with dedup, the one copy; without, row 2N+1's copy): b is
+    # quarantined and read row by row, and each row that reads moves its own copy.
+    _flip_byte(_data_chunk(tmp_path / f"q{int(dedup)}", "b", 0 if dedup else 1), 5)
+    q = QuarantiningReader(TrajectoryStore.open(store.url))
+    got = q.read(pick)
+    assert set(q.quarantined) == {"b"}
+    kept = pick[:5] if dedup else pick[:6] + pick[7:]
+    assert [m.id for m in got.metas] == [m.id for m in kept]
+    assert got.image_bytes_read == 768 * (2 if dedup else 5 + 2)
+    assert got.nbytes_read == got.nbytes + (0 if dedup else 768 * 4)
+
+
 def test_no_dedup_needs_the_images_in_the_same_call():
   store = TrajectoryStore.create("memory://nodedup_errors", _schema(dedup_images=False))
   w = store.writer("u")

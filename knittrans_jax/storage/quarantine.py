@@ -5,6 +5,10 @@ A batched read that fails with CorruptUnitError marks the failing unit quarantin
 (the error, naming the unit, is kept). From then on that unit's rows are read one
 at a time, and a row that fails is set aside (`bad_rows`, with its error) instead of
 failing the whole read. Other units keep the batched path.
+
+The payload's `image_bytes_read` sums what the successful reads moved: without
+dedup every trajectory's own copy, and a quarantined unit's images once per row
+read (a failed read's bytes are not known, so not counted).
 """
 from __future__ import annotations
 
@@ -27,8 +31,16 @@ class QuarantiningReader:
     `skip_images`, already held by the caller, are not read)."""
     healthy = [m for m in metas if m.unit not in self.quarantined]
     parts = {}
+    moved = 0  # image bytes of the reads that succeeded
+
+    def read(ms):
+      nonlocal moved
+      p = self.store.read(ms, skip_images).result()
+      moved += p.image_nbytes_read
+      parts.update(self._by_id(p))
+
     try:
-      parts.update(self._by_id(self.store.read(healthy, skip_images).result()))
+      read(healthy)
     except CorruptUnitError as e:
       self.quarantined.setdefault(e.unit, str(e))
       by_unit: dict[str, list[TrajMeta]] = {}
@@ -38,13 +50,13 @@ class QuarantiningReader:
         if unit in self.quarantined:
           continue
         try:
-          parts.update(self._by_id(self.store.read(ms, skip_images).result()))
+          read(ms)
         except CorruptUnitError as e2:
           self.quarantined.setdefault(unit, str(e2))
     for m in metas:  # quarantined units: row by row
       if m.unit in self.quarantined and m.id not in parts and m.id not in self.bad_rows:
         try:
-          parts.update(self._by_id(self.store.read([m], skip_images).result()))
+          read([m])
         except CorruptUnitError as e:
           self.bad_rows[m.id] = str(e)
     good = [m for m in metas if m.id in parts]
@@ -53,7 +65,8 @@ class QuarantiningReader:
       images.update({i: parts[m.id][3][i] for i in m.image_ids if i in parts[m.id][3]})
     return Payload(metas=good, tokens=[parts[m.id][0] for m in good],
                    logprobs=[parts[m.id][1] for m in good],
-                   loss_mask=[parts[m.id][2] for m in good], images=images)
+                   loss_mask=[parts[m.id][2] for m in good], images=images,
+                   image_bytes_read=moved)
 
   @staticmethod
   def _by_id(p: Payload) -> dict:
