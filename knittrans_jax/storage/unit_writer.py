@@ -4,7 +4,8 @@ An append writes every payload and column beyond the committed extents, waits fo
 all of it, and only then writes the commit marker. A crash before that leaves the
 data invisible (and overwritten by the next append); a crash after it leaves a
 complete row. Nothing of an earlier commit is ever rewritten except the unchanged
-bytes of a partially filled chunk, which kvstores replace atomically.
+bytes of a partially filled chunk, which kvstores replace atomically. Every chunk is
+written whole, from the committed bytes the writer keeps (storage/whole_chunks.py).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from knittrans_jax.storage.images import (Image, check_image, hash_to_hex, hex_t
                                           image_id)
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.storage.validation import pack_append
+from knittrans_jax.storage.whole_chunks import WholeChunkAppender
 from knittrans_jax.types import TrajMeta, Trajectory
 
 
@@ -48,6 +50,11 @@ class UnitWriter:
     info = {"unit": unit, "host": self.host, "pid": os.getpid(), "opened_unix": time.time()}
     kv = ts.KvStore.open(self.url, context=L.context(schema.durable)).result()
     kv.write("unit.json", json.dumps(info)).result()
+    c = self._commit
+    self._chunks = WholeChunkAppender(self._arrays, {
+        "tokens": c.tokens, "logprobs": c.tokens, "loss_mask": c.tokens, "rows": c.rows,
+        "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
+        "images/index": c.images, "images/hash": c.images})
     self._image_index: dict[str, int] = {}
     if self._commit.images:
       hashes = self._arrays["images/hash"][: self._commit.images].read().result()
@@ -120,7 +127,8 @@ class UnitWriter:
     return ids, pool
 
   def _write(self, packed, new_images: list[tuple[str, np.ndarray]]) -> list[TrajMeta]:
-    c, a = self._commit, self._arrays
+    c, write = self._commit, self._chunks.write
+    self._chunks.discard()  # nothing pending from an append that raised before its writes
     futures = []
     n_img, img_bytes = c.images, c.image_bytes
     index = dict(self._image_index)
@@ -135,9 +143,8 @@ class UnitWriter:
         rows[k, L.IMG_DIM0:L.IMG_DIM0 + im.ndim] = im.shape
         index[iid] = n_img + k  # without dedup: the newest copy (has_image only)
       hashes = np.stack([hex_to_hash(iid) for iid, _ in new_images])
-      futures += [a["images/data"][img_bytes:int(ends[-1])].write(np.concatenate(blobs)),
-                  a["images/index"][n_img:n_img + len(blobs)].write(rows),
-                  a["images/hash"][n_img:n_img + len(blobs)].write(hashes)]
+      futures += [write("images/data", img_bytes, np.concatenate(blobs)),
+                  write("images/index", n_img, rows), write("images/hash", n_img, hashes)]
       n_img, img_bytes = n_img + len(blobs), int(ends[-1])
 
     metas, n_rows, n_tok, n_refs = [], c.rows, c.tokens, c.refs
@@ -160,13 +167,12 @@ class UnitWriter:
       rows[:, L.V_FIRST] = packed.version_first
       rows[:, L.V_LAST] = packed.version_last
       rows[:, L.REF_END] = ref_end
-      futures += [a["tokens"][c.tokens:c.tokens + T].write(packed.tokens),
-                  a["logprobs"][c.tokens:c.tokens + T].write(packed.logprobs),
-                  a["loss_mask"][c.tokens:c.tokens + T].write(packed.loss_mask),
-                  a["rows"][c.rows:c.rows + k].write(rows),
-                  a["reward"][c.rows:c.rows + k].write(packed.reward)]
+      futures += [write("tokens", c.tokens, packed.tokens),
+                  write("logprobs", c.tokens, packed.logprobs),
+                  write("loss_mask", c.tokens, packed.loss_mask),
+                  write("rows", c.rows, rows), write("reward", c.rows, packed.reward)]
       if refs.size:
-        futures.append(a["image_refs"][c.refs:c.refs + refs.size].write(refs))
+        futures.append(write("image_refs", c.refs, refs))
       starts = tok_end - lengths
       for r in range(k):
         metas.append(TrajMeta(
@@ -189,10 +195,12 @@ class UnitWriter:
       if errors:
         raise errors[0]
       new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
-      write_commit(a["commit"], new)  # last: this makes the rows visible
+      write_commit(self._arrays["commit"], new)  # last: this makes the rows visible
     except Exception as e:
+      self._chunks.discard()
       raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
                        f"(unit still at {c.rows} rows): {e}") from e
+    self._chunks.commit()
     self._commit, self._image_index = new, index
     return metas
 
