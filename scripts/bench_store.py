@@ -5,6 +5,13 @@ then the image path in both image layouts, side by side.
 
 Everything is measured in this one run on the same bytes:
   write_MBps            appends of 16 trajectories (~2k tokens each) to one unit
+  npsave_MBps           np.save of each append's payload arrays (its tokens,
+                        log-probs and loss mask, one .npy file each) into a
+                        directory beside the store (same filesystem), alternated
+                        with the appends in blocks so that noise hits both alike
+  append_vs_npsave      write_MBps / npsave_MBps
+  npsave_whole_MBps     np.save of the whole payload as three arrays (beside it;
+                        append_vs_npsave_whole = write_MBps / npsave_whole_MBps)
   read_MBps             one read of a whole unit (64 MiB of payload by default)
                         All read and copy figures are medians of interleaved reps.
   microbatch_read_MBps  random sets of 16 trajectories (~2k tokens each)
@@ -94,10 +101,39 @@ def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed:
     b = _batch(rng, len(batches) * 2)
     batches.append(b)
     written += sum(t.prompt_tokens.size + t.response_tokens.size for t in b) * BYTES_PER_TOKEN
+  # The same payload arrays np.save writes, made before any timing.
+  arrays = [[np.concatenate([np.concatenate([t.prompt_tokens, t.response_tokens]) for t in b]),
+             np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.float32),
+                                             t.logprobs]) for t in b]),
+             np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.uint8),
+                                             t.loss_mask.astype(np.uint8)]) for t in b])]
+            for b in batches]
+  assert sum(a.nbytes for arrs in arrays for a in arrs) == written
+  npy_dir = root.rstrip("/") + "_npsave"
+  os.makedirs(npy_dir)
+  write_s = npsave_s = 0.0
+  blocks = 8  # appends and np.save alternate, block by block
+  bar = tqdm(total=len(batches), desc=f"append (checksum={checksum})", leave=False)
+  for blk in range(blocks):
+    lo, hi = blk * len(batches) // blocks, (blk + 1) * len(batches) // blocks
+    t0 = time.perf_counter()
+    for b in batches[lo:hi]:
+      writer.append(b)
+    write_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k in range(lo, hi):
+      for name, a in zip(("tokens", "logprobs", "loss_mask"), arrays[k]):
+        np.save(os.path.join(npy_dir, f"{name}_{k}.npy"), a)
+    npsave_s += time.perf_counter() - t0
+    bar.update(hi - lo)
+  bar.close()
+  whole = [np.concatenate(col) for col in zip(*arrays)]
   t0 = time.perf_counter()
-  for b in tqdm(batches, desc=f"append (checksum={checksum})", leave=False):
-    writer.append(b)
-  write_s = time.perf_counter() - t0
+  for name, a in zip(("tokens", "logprobs", "loss_mask"), whole):
+    np.save(os.path.join(npy_dir, f"{name}_whole.npy"), a)
+  npsave_whole_s = time.perf_counter() - t0
+  shutil.rmtree(npy_dir)
+  del arrays, whole
 
   metas = TrajectoryStore.open(url).list_committed("bench")
   nbytes = sum(m.length for m in metas) * BYTES_PER_TOKEN
@@ -131,6 +167,8 @@ def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed:
   result = {
       "payload_MiB": nbytes / MiB, "trajectories": len(metas), "payload_checksum": checksum,
       "write_MBps": nbytes / MiB / write_s,
+      "npsave_MBps": nbytes / MiB / npsave_s,
+      "npsave_whole_MBps": nbytes / MiB / npsave_whole_s,
       "read_MBps": mbps(nbytes, read_times),
       "read_MBps_best": nbytes / MiB / min(read_times),
       "microbatch_read_MBps": micro_bytes / MiB / micro_s,
@@ -138,6 +176,8 @@ def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed:
       "memcpy_MBps": mbps(nbytes, copy_times),
       "memcpy_prealloc_MBps": mbps(nbytes, prealloc_times),
   }
+  result["append_vs_npsave"] = result["write_MBps"] / result["npsave_MBps"]
+  result["append_vs_npsave_whole"] = result["write_MBps"] / result["npsave_whole_MBps"]
   result["read_vs_memcpy"] = result["read_MBps"] / result["memcpy_MBps"]
   result["read_vs_memcpy_prealloc"] = result["read_MBps"] / result["memcpy_prealloc_MBps"]
   return result
@@ -236,7 +276,8 @@ def main():
 
   print(f"\ntrajectory store, {out['payload_MiB']:.0f} MiB payload, {out['trajectories']} "
         f"trajectories, file:// on this machine ({out['cpu_count']} cores)")
-  rows = [("append", "write_MBps"), ("sequential read", "read_MBps"),
+  rows = [("append", "write_MBps"), ("np.save per append", "npsave_MBps"),
+          ("np.save whole payload", "npsave_whole_MBps"), ("sequential read", "read_MBps"),
           ("micro-batch read (16 traj)", "microbatch_read_MBps"),
           ("numpy copy (fresh dst)", "memcpy_MBps"), ("numpy copy (prealloc dst)", "memcpy_prealloc_MBps")]
   cols = [("default", results["default"])] + ([("crc32c", results["checksum"])]
@@ -244,6 +285,9 @@ def main():
   print(f"  {'':<28}" + "".join(f"{name:>12}" for name, _ in cols) + "  (MB/s)")
   for label, key in rows:
     print(f"  {label:<28}" + "".join(f"{r[key]:>12.0f}" for _, r in cols))
+  print(f"  {'append / np.save':<28}" + "".join(f"{r['append_vs_npsave']:>12.2f}" for _, r in cols))
+  print(f"  {'append / np.save (whole)':<28}"
+        + "".join(f"{r['append_vs_npsave_whole']:>12.2f}" for _, r in cols))
   print(f"  {'read / memcpy':<28}" + "".join(f"{r['read_vs_memcpy']:>12.2f}" for _, r in cols))
   print(f"  {'read / memcpy (prealloc)':<28}"
         + "".join(f"{r['read_vs_memcpy_prealloc']:>12.2f}" for _, r in cols))

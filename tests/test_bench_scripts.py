@@ -16,11 +16,13 @@ def test_bench_store_writes_its_json(tmp_path):
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
-  for key in ("write_MBps", "read_MBps", "microbatch_read_MBps", "memcpy_MBps", "read_vs_memcpy"):
+  for key in ("write_MBps", "read_MBps", "microbatch_read_MBps", "memcpy_MBps", "read_vs_memcpy",
+              "npsave_MBps", "append_vs_npsave", "append_vs_npsave_whole"):
     assert result[key] > 0, key
   assert result["read_vs_memcpy"] == pytest.approx(result["read_MBps"] / result["memcpy_MBps"])
+  assert result["append_vs_npsave"] == pytest.approx(result["write_MBps"] / result["npsave_MBps"])
   assert result["payload_MiB"] >= 2 and result["with_payload_checksum"]["payload_checksum"]
-  assert "read / memcpy" in proc.stdout
+  assert "read / memcpy" in proc.stdout and "append / np.save" in proc.stdout
   images = result["images"]
   assert images["dedup"]["image_copies"] == 4 and images["no_dedup"]["image_copies"] == 16
   for layout in ("dedup", "no_dedup"):
