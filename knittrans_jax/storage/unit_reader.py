@@ -11,6 +11,7 @@ from typing import Sequence
 import numpy as np
 import tensorstore as ts
 
+from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit
 from knittrans_jax.storage.errors import CorruptUnitError
@@ -34,6 +35,7 @@ class UnitReader:
     self._image_pos: dict[str, int] = {}
     self._row_refs: dict[int, np.ndarray] = {}  # row -> image-table indices (no-dedup stores)
     self.image_hash = id_function(L.FORMAT_VERSION)  # that of the unit's format, once read
+    self._dir = file_chunks.local_path(L.join(root, unit))  # None: not a file:// store
 
   def commit(self) -> Commit:
     commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
@@ -48,6 +50,25 @@ class UnitReader:
       return future.result()
     except Exception as e:
       raise CorruptUnitError(self.unit, f"reading {what} failed: {e}") from e
+
+  def read_flat(self, name: str, start: int, stop: int, batch=None,
+                checked_elsewhere: bool = False):
+    """A future of elements [start, stop) of a 1-D payload array (tokens, logprobs,
+    loss_mask, images/data). A local unit is read straight from its chunk files
+    (storage/file_chunks.py), at once, unless the array's crc32c must be verified
+    here (`payload_checksum`, and the caller does not check the bytes itself)."""
+    checksum = self.schema.payload_checksum
+    if self._dir is None or (checksum and not checked_elsewhere):
+      return self._read(name, start, stop, batch)
+    array = self.arrays[name]
+    chunk = array.chunk_layout.write_chunk.shape[0]
+    dtype = array.dtype.numpy_dtype
+    try:
+      return _Ready(file_chunks.read_range(
+          self._dir + name, chunk, dtype, array.fill_value, start, stop,
+          chunk * dtype.itemsize + 4 * checksum))
+    except (OSError, file_chunks.ChunkFileError) as e:
+      return _Ready(error=e)
 
   def refresh_images(self, commit: Commit | None = None) -> None:
     commit = commit or self.commit()
@@ -174,3 +195,18 @@ class UnitReader:
         for r in range(lo, hi):
           self._row_refs[r] = refs[e[r - lo] - e[0]:e[r - lo + 1] - e[0]]
     return {r: self._row_refs[r] for r in rows}
+
+
+class _Ready:
+  """A read done at once, with the interface of the TensorStore future it replaces."""
+
+  def __init__(self, value=None, error: Exception | None = None):
+    self._value, self._error = value, error
+
+  def done(self) -> bool:
+    return True
+
+  def result(self):
+    if self._error is not None:
+      raise self._error
+    return self._value

@@ -1,0 +1,60 @@
+"""Reads a range of a 1-D zarr3 array of a `file://` store straight from its chunk
+files into one fresh buffer: one copy, from the page cache into the result.
+
+Through TensorStore the same read copies each chunk into a buffer of its own, decodes
+it into another and copies that into the result, on its thread pools; this is the
+read path for local units whose chunks are plain bytes (the `bytes` codec, with or
+without a trailing crc32c). It keeps TensorStore's meaning of the files: chunk
+`c/K` of the default key encoding, a missing chunk reads as the fill value, and a
+chunk file whose size is not the chunk's is an error (a truncated or foreign file).
+It does not verify a chunk's crc32c, so callers use it where the checksum is not
+needed: payload arrays without `payload_checksum`, and images, whose content hash is
+checked on every read.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from knittrans_jax.storage.errors import StoreError
+
+_PREFIX = "file://"
+
+
+def local_path(url: str) -> str | None:
+  """The directory of a `file://` URL (None for any other kvstore)."""
+  return url[len(_PREFIX):] if url.startswith(_PREFIX) else None
+
+
+class ChunkFileError(StoreError):
+  """A chunk file that cannot hold what the array says it holds."""
+
+
+def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, stop: int,
+               file_bytes: int) -> np.ndarray:
+  """Elements [start, stop) of the 1-D array at `array_dir` (chunks of `chunk`
+  elements, each file `file_bytes` long: the chunk's bytes plus any checksum)."""
+  dtype = np.dtype(dtype)
+  out = np.empty(stop - start, dtype)
+  raw = memoryview(out.view(np.uint8))
+  size = dtype.itemsize
+  for k in range(start // chunk, -(-stop // chunk)):
+    lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+    dst = raw[(lo - start) * size:(hi - start) * size]
+    path = os.path.join(array_dir, "c", str(k))
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+      out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
+      continue
+    try:
+      have = os.fstat(fd).st_size
+      if have != file_bytes:
+        raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
+      got = os.preadv(fd, [dst], (lo - k * chunk) * size)
+    finally:
+      os.close(fd)
+    if got != len(dst):
+      raise ChunkFileError(f"chunk file {path}: read {got} of {len(dst)} bytes")
+  return out
