@@ -3,6 +3,8 @@
 Consecutive rows of a unit are coalesced into one range read per array (a whole
 unit read is one read per array); all reads go out in one `ts.Batch` so the
 kvstore can overlap them. `.result()` waits, checks what came back, and slices.
+Payload and image bytes of local (file://) units are read straight from their chunk
+files instead, when the read is issued (UnitReader.read_flat, storage/file_chunks.py).
 
 Every image read is checked against its id, the content hash the writer stored
 (xxh3-128, about 0.16 ms for a 2.4 MB image here): a damaged, missing or swapped
