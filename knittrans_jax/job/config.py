@@ -8,6 +8,8 @@ import gin
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
+from knittrans_jax.models.hf import read_config
+from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
 
 MODES = ("disaggregated", "colocated", "synchronous")
 
@@ -36,7 +38,9 @@ class JobConfig:
     so the sources' length differences show in completion times.
   checkpoint: a Hugging Face decoder directory (models/hf.py) the policy starts
     from; its config.json sets the architecture, DecoderConfig's dtype, param_dtype,
-    remat and attention still apply. None: DecoderConfig, randomly initialised.
+    remat and attention still apply. None: DecoderConfig, randomly initialised. With
+    suite 'vision', a Qwen2-VL / Qwen2.5-VL directory (models/qwen_vl.py): the vision
+    tasks as its token sequences (rollout/qwen_vision_tasks.py, QwenVisionTaskConfig).
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
   control_address: HOST:PORT where the controller serves rollout workers on other
@@ -91,9 +95,12 @@ class JobConfig:
         os.path.join(self.checkpoint, "config.json")):
       raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} is not a Hugging Face "
                        "checkpoint directory (no config.json)")
-    if self.checkpoint is not None and self.suite == "vision":
-      raise ValueError("JobConfig.checkpoint: the 'vision' suite trains the tiny VLM; "
-                       "Hugging Face decoders run the 'text' and 'math' suites")
+    if self.checkpoint is not None and self.suite == "vision" and (
+        model_type := read_config(self.checkpoint).get("model_type")) not in VL_MODEL_TYPES:
+      raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} has model_type "
+                       f"{model_type!r}: the 'vision' suite takes a Qwen-VL checkpoint "
+                       f"{VL_MODEL_TYPES} (or none: the tiny VLM); decoders run 'text' and "
+                       "'math'")
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")

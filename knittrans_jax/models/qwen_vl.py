@@ -64,6 +64,9 @@ class QwenVLConfig:
 
 
 # -- config.json --------------------------------------------------------------------
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # config.json model_type of the two families
+
+
 def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
   """From a Qwen2-VL / Qwen2.5-VL config.json dict: transformers 5's (text_config
   nested, rope_parameters) or the released checkpoints' (text keys at the top,

@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from knittrans_jax.multimodal.qwen_images import QwenImageInputs, image_positions, pack_images
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -56,12 +58,17 @@ def _top_p_filter(logits, top_p):
 
 @partial(jax.jit, static_argnames=("graphdef", "config"))
 def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, images=None,
-              image_index=None):
+              image_index=None, mrope=None):
   model = nnx.merge(graphdef, params)
   B, P = prompts.shape
   N = config.max_new_tokens
-  if images is None:
-    Q = 0
+  Q = 0
+  if mrope is not None:  # Qwen-VL: each unique image through the tower once, in one pack
+    embeds = model.encode(mrope["images"].pixel_values, mrope["images"].grid)
+    logits, caches = model.prefill(
+        prompts, valid, P + N, positions=mrope["positions"], rope_delta=mrope["rope_delta"],
+        image_embeds=jnp.take(embeds, mrope["embed_index"], axis=0))  # each pad token's row
+  elif images is None:
     logits, caches = model.prefill(prompts, valid, P + N)
   else:  # a VLM: the image embeddings take cache slots 0..Q-1
     Q = model.encoder.config.num_tokens
@@ -119,15 +126,27 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              config: SamplerConfig, prompt_len: int | None = None,
-             images: np.ndarray | None = None, image_index: np.ndarray | None = None
-             ) -> list[tuple[np.ndarray, np.ndarray]]:
+             images: np.ndarray | None = None, image_index: np.ndarray | None = None,
+             qwen: QwenImageInputs | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
 
-  `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images` [U, H, W, C] are encoded once each and row i sees
-  images[image_index[i]]."""
+  `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
+  [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
+  Qwen-VL (`qwen`, the stored images' processor) `images` are the U stored images
+  (any sizes) and row i's prompt holds image_index[i]'s run of image-pad tokens; the
+  M-RoPE positions and each row's rope delta come from the host (qwen_vl.prefill)."""
   tokens, valid = left_pad(prompts, length=prompt_len)
   extra = {}
-  if images is not None:
+  if qwen is not None:
+    index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
+    done = [qwen.pixels(im) for im in images]
+    pack = pack_images({str(u): g for u, (_, g) in enumerate(done)}, qwen.model.vision.merge)
+    positions, embed_index, delta = image_positions(
+        tokens, valid, [(str(int(u)),) for u in index], pack, qwen.model)
+    extra = dict(mrope=dict(
+        images=pack.images({str(u): pv for u, (pv, _) in enumerate(done)}, np.float32),
+        positions=positions, rope_delta=delta, embed_index=embed_index))
+  elif images is not None:
     index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
     extra = dict(images=jnp.asarray(images), image_index=jnp.asarray(index, jnp.int32))
   if rng.shape == ():

@@ -28,6 +28,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
 
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.groups import rollout_groups
+  from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
 
@@ -67,7 +68,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       image_size = vit_config.image_size if vit_config is not None else 0
       t0 = time.perf_counter()
       groups = rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
-                              suite, image_size, math)
+                              suite, image_size, math,
+                              qwen=vit_config if isinstance(vit_config, QwenVisionTasks) else None)
       # A call of a new size compiled the sampler first: its time is not the group's.
       seconds = time.perf_counter() - t0 if len(batch) in compiled else None
       compiled.add(len(batch))
