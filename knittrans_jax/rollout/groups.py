@@ -110,7 +110,8 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
   if suite == "vision":
     extra = dict(images=stored if qwen is not None else np.stack(stored),
                  image_index=np.repeat(np.arange(len(task_list)), n),
-                 qwen=qwen.inputs if qwen is not None else None)
+                 qwen=qwen.inputs if qwen is not None else None,
+                 banned=qwen.special_ids if qwen is not None else ())
   prompt_len = qwen.prompt_len if qwen is not None else suite_prompt_len(suite, math)
   outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=prompt_len, **extra)
   groups = []

@@ -98,6 +98,11 @@ class QwenVisionTasks:
     return self.inputs.merged(self.grid)
 
   @property
+  def special_ids(self) -> tuple[int, int, int]:
+    """The image-pad and vision start / end ids: the sampler never emits them."""
+    return (self.model.image_token_id, self.vision_start, self.vision_end)
+
+  @property
   def prompt_len(self) -> int:
     return vision_tasks.PROMPT_LEN + self.image_tokens + 2
 

@@ -56,9 +56,9 @@ def _top_p_filter(logits, top_p):
   return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config"))
+@partial(jax.jit, static_argnames=("graphdef", "config", "banned"))
 def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, images=None,
-              image_index=None, mrope=None):
+              image_index=None, mrope=None, banned: tuple[int, ...] = ()):
   model = nnx.merge(graphdef, params)
   B, P = prompts.shape
   N = config.max_new_tokens
@@ -89,9 +89,11 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     keys = jax.vmap(jax.random.split)(rng)  # [B, 2]: each row's own stream
     rng, sub = keys[:, 0], keys[:, 1]
     scaled = logits / config.temperature
+    if banned:  # never sampled: a response holds no image placeholders
+      scaled = scaled.at[:, jnp.asarray(banned)].set(-jnp.inf)
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
     if config.greedy:
-      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
     else:
       token = jax.vmap(jax.random.categorical)(sub, filtered).astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
@@ -127,14 +129,18 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              config: SamplerConfig, prompt_len: int | None = None,
              images: np.ndarray | None = None, image_index: np.ndarray | None = None,
-             qwen: QwenImageInputs | None = None) -> list[tuple[np.ndarray, np.ndarray]]:
+             qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = ()
+             ) -> list[tuple[np.ndarray, np.ndarray]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
 
   `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
   [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
   Qwen-VL (`qwen`, the stored images' processor) `images` are the U stored images
   (any sizes) and row i's prompt holds image_index[i]'s run of image-pad tokens; the
-  M-RoPE positions and each row's rope delta come from the host (qwen_vl.prefill)."""
+  M-RoPE positions and each row's rope delta come from the host (qwen_vl.prefill).
+  `banned` token ids are never sampled (their probability is 0 in the behaviour
+  log-probs too, like tokens outside the top-p nucleus): the vision special tokens,
+  which in a response would read as an image with no pixels."""
   tokens, valid = left_pad(prompts, length=prompt_len)
   extra = {}
   if qwen is not None:
@@ -154,6 +160,7 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
   if rng.shape != (len(prompts),):
     raise ValueError(f"rng: one key or one per prompt ({len(prompts)}), got shape {rng.shape}")
   out_t, out_lp, lengths = jax.device_get(
-      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config, **extra))
+      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config,
+                banned=tuple(sorted(set(int(b) for b in banned))), **extra))
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
           for i in range(len(prompts))]
