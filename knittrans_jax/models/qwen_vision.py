@@ -29,7 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 # The decoder loader's directory reader (single file, sharded index) and helpers.
-from knittrans_jax.models.hf import CheckpointError, _fill, _Tensors, read_config
+from knittrans_jax.models.hf import CheckpointError, _fill, _host, _Tensors, read_config
 from knittrans_jax.models.layers import RMSNorm, dense, wide
 from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
 
@@ -465,6 +465,34 @@ def _convert(data: np.ndarray, how) -> np.ndarray:
     part = data[int(how[3]) * n:(int(how[3]) + 1) * n]
     return part.T if part.ndim == 2 else part
   return data
+
+
+def hf_tensors(params, config: QwenVisionConfig, prefix: str = "visual."
+               ) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """The tower's parameters (an nnx.State) as checkpoint tensors, the inverse of `load`:
+  {name: (fetch() -> the host tensor as stored, its stored shape)} (hf.write_checkpoint);
+  q, k and v go back into one fused qkv."""
+  parts: dict[str, dict] = {}
+  for p, v in nnx.to_flat_state(params):
+    name, how = hf_source(p)
+    parts.setdefault(prefix + name, {})[how] = v.get_value() if hasattr(v, "get_value") else v
+  out = {}
+  for name, got in parts.items():
+    if set(got) == {"qkv0", "qkv1", "qkv2"}:
+      qkv = [got[f"qkv{i}"] for i in range(3)]
+      out[name] = ((lambda qkv=qkv: np.concatenate([_host(a).T for a in qkv])),
+                   _stored_shape(config, tuple(qkv[0].shape), "qkv0"))
+      continue
+    ((how, a),) = got.items()
+    shape = _stored_shape(config, tuple(a.shape), how)
+    if how == "T":
+      fetch = lambda a=a: _host(a).T  # noqa: E731
+    elif how == "conv":  # [C*T*P*P, width] -> Conv3d [width, C, T, P, P]
+      fetch = lambda a=a, shape=shape: _host(a).T.reshape(shape)  # noqa: E731
+    else:
+      fetch = lambda a=a: _host(a)  # noqa: E731
+    out[name] = (fetch, shape)
+  return out
 
 
 def abstract_tower(config: QwenVisionConfig):
