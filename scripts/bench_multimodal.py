@@ -436,10 +436,14 @@ def main():
   else:
     out = run_point(args)
     print_point(out)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w") as f:
+  write_json(args.json, out)
+
+
+def write_json(path: str, out: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
-  print(f"wrote {args.json}")
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

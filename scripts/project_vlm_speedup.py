@@ -162,10 +162,8 @@ def main():
       paths["centralized_s_per_byte"], paths["ondemand_s_per_byte"]))
   for k, v in assumptions.items():
     print(f"  {k}: {v}")
-  os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
-  with open(a.json, "w") as f:
-    json.dump(out, f, indent=1)
-  print(f"wrote {a.json}")
+  import bench_multimodal
+  bench_multimodal.write_json(a.json, out)
 
 
 if __name__ == "__main__":
