@@ -105,9 +105,9 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
   prompts = [prompt_of(t) for t in task_list for _ in range(n)]
   rng = group_keys(seed, [gid for gid, _ in requests], n)
   score = {"vision": vision_tasks.score, "text": tasks.score}.get(suite) or math.suite().score
-  stored = [qwen.stored_image(t) if qwen is not None else t.image for t in task_list]
-  extra = {}
+  stored, extra = [], {}
   if suite == "vision":
+    stored = [qwen.stored_image(t) if qwen is not None else t.image for t in task_list]
     extra = dict(images=stored if qwen is not None else np.stack(stored),
                  image_index=np.repeat(np.arange(len(task_list)), n),
                  qwen=qwen.inputs if qwen is not None else None,
