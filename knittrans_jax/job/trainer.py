@@ -24,7 +24,11 @@ notes' data-ready minus compute-could-start.
 
 Steps: text, the naive VLM step (images in every row) or the encode-once step
 (multimodal/, image slots read once per mini-batch, first in the segment). Gradient
-and metric sums stay on the devices; the version is counted on the host.
+and metric sums stay on the devices; the version is counted on the host. With
+`BatchLayout.qwen` (a Qwen-VL checkpoint) the stored images go through its image
+processor here: encode-once packs the consumers' unique images for the tower and
+each micro-batch carries M-RoPE positions and embed_index; the naive step carries
+every row's own pixel_values (multimodal/qwen_images.py).
 """
 from __future__ import annotations
 

@@ -22,9 +22,14 @@ Host side (numpy, pure Python over metadata):
               `embed_index` [B, T] (the row of E each image-pad token takes; 0 on
               other tokens, which never read it). A run of image-pad tokens that is
               not its image's size is an error naming both counts.
+  QwenImageInputs  Stored uint8 images -> pixel_values at the consumer (why the store
+              keeps the image: its docstring); the trainer's encode-once pack of its
+              consumers' images and the naive step's per-row fields.
+  pack_images   One chunk of unique images, no padding (the rollout sampler's call).
 Traced (QwenVLImages, the ImagePath): E = the tower on the packed images; a
 micro-batch's logits are QwenVL's with image_embeds = E[embed_index], aligned with
 the tokens, whose VJP scatter-adds each token's cotangent into its row of dE.
+naive_qwen_forward is the baseline's forward: the tower on every row's own image.
 
 The tower's attention pattern depends on the grid, so the encoder compiles once per
 distinct packed grid (images of new sizes, or new paddings, recompile); the backbone
