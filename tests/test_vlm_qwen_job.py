@@ -113,3 +113,17 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   print(f"encode-once vs naive on the run's store: max relative gradient error {errs}")
   assert set(errs) == {"visual", "decoder"} and max(errs.values()) <= 1e-5, errs
   assert min(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads[True])) > 0
+
+
+def test_vision_suite_refuses_a_text_checkpoint_and_a_colliding_vocabulary(tmp_path, checkpoint):
+  from knittrans_jax.admission import TrainBatchSpec
+  from knittrans_jax.job.config import JobConfig
+  (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+  with pytest.raises(ValueError, match=r"has model_type 'qwen2': the 'vision' suite takes a "
+                                       r"Qwen-VL checkpoint"):
+    JobConfig(spec=TrainBatchSpec(4, 4, 2), suite="vision", checkpoint=str(tmp_path),
+              micro_batch_size=8)
+  suite = QwenVisionTasks.from_checkpoint(checkpoint, IMAGE_SIZE)
+  with pytest.raises(ValueError, match=r"the vision ids above 63 \(these are not: "
+                                       r"\{'vision_start_token_id': 5\}\)"):
+    dataclasses.replace(suite, vision_start=5)
