@@ -1,0 +1,1 @@
+"""Helpers that tests, benchmarks and fault reports share (a local S3 server)."""
