@@ -1,7 +1,10 @@
 """The store, the fault scenarios and the job on s3://, against a local moto server
 (knittrans_jax/testing/s3_server.py) reached through the standard AWS variables."""
 import dataclasses
+import json
 import re
+import subprocess
+import sys
 
 import boto3
 import numpy as np
@@ -99,7 +102,7 @@ def test_writer_sigkilled_mid_append_on_s3_with_a_polling_reader(s3_url, tmp_pat
 
 
 def test_s3_outage_mid_append_fails_cleanly_and_recovers(s3_url, tmp_path):
-  out = s3_outage.run(str(tmp_path), trials=2, store_url=s3_url)
+  out = s3_outage.run(str(tmp_path), trials=1, store_url=s3_url)
   _clean(out)
   assert out.trained == out.written
   assert all("no append failed" not in e and "differ" not in e and "no recovery" not in e
@@ -108,14 +111,14 @@ def test_s3_outage_mid_append_fails_cleanly_and_recovers(s3_url, tmp_path):
 
 
 def test_corrupt_object_on_s3_quarantines_the_unit(s3_url, tmp_path):
-  out = corrupt_chunk.run(str(tmp_path), trials=2, groups=12, store_url=s3_url)
+  out = corrupt_chunk.run(str(tmp_path), trials=2, groups=8, store_url=s3_url)
   _clean(out)
   assert 0 < out.quarantined < out.written and out.trained + out.quarantined == out.written
   assert all("is corrupt or truncated" in e for e in out.errors), out.errors
 
 
 def test_concurrent_writers_on_s3(s3_url, tmp_path):
-  out = concurrent_writers.run(str(tmp_path), writers=3, seconds=3.0, store_url=s3_url)
+  out = concurrent_writers.run(str(tmp_path), writers=3, seconds=2.0, store_url=s3_url)
   _clean(out)
   assert out.trained == out.written and not out.errors, out.errors
 
@@ -128,3 +131,17 @@ def test_job_on_s3_trainer_killed_then_resumed(s3_url, tmp_path):
   assert not any("failed" in e or "expected" in e or "ended before" in e for e in out.errors), \
       out.errors
   assert out.trained == 3 * 2 * 16  # configs/text_grpo_test.gin: 2 mini-batches of 16
+
+
+def test_bench_store_measures_s3_beside_file(tmp_path):
+  out = tmp_path / "bench.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_store.py", "--json", str(out), "--mib", "1",
+                         "--reps", "1", "--micro_reps", "3", "--s3", "--image_groups", "2",
+                         "--image_n", "2", "--image_shape", "8,8,3", "--read_trajectories", "2",
+                         "--image_reps", "1"], capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  result = json.loads(out.read_text())
+  assert result["s3"]["trajectories"] == result["trajectories"]  # the same bytes on both
+  for key in ("write_MBps", "read_MBps", "microbatch_read_MBps"):
+    assert result[f"s3_vs_file_{key}"] == pytest.approx(result["s3"][key] / result[key])
+  assert "s3 (moto)" in proc.stdout
