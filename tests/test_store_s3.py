@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -64,6 +65,12 @@ def test_s3_urls_become_kvstore_specs_from_the_aws_variables(monkeypatch):
   monkeypatch.setenv("AWS_MAX_ATTEMPTS", "zero")
   with pytest.raises(ValueError, match="AWS_MAX_ATTEMPTS='zero'"):
     L.kvstore("s3://bkt/p/")
+
+
+def test_s3_server_that_cannot_start_says_why():
+  with socket.create_server(("127.0.0.1", 0)) as busy:
+    with pytest.raises(RuntimeError, match=r"exited with code 1; its log ends:\n.*in use"):
+      start_s3_server(port=busy.getsockname()[1])
 
 
 @pytest.mark.parametrize("dedup", [True, False])

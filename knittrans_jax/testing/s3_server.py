@@ -72,6 +72,8 @@ class S3Server:
       except subprocess.TimeoutExpired:
         self.proc.kill()
         self.proc.wait()
+    if os.path.exists(self.log_path):
+      os.remove(self.log_path)
 
   def __enter__(self):
     return self
@@ -99,10 +101,11 @@ def start_s3_server(host="127.0.0.1", port=0, netns=None, timeout_s=60.0):
       return S3Server(proc, host, int(first[len(_READY):]), log_path, netns)
     if proc.poll() is not None or time.monotonic() > deadline:
       server = S3Server(proc, host, port, log_path, netns)
-      server.stop()
       why = f"exited with code {proc.returncode}" if proc.poll() is not None else \
         f"did not answer within {timeout_s:.0f} s"
-      raise RuntimeError(f"s3 server {' '.join(cmd)!r} {why}; log {log_path}:\n{server.log_tail()}")
+      tail = server.log_tail()
+      server.stop()
+      raise RuntimeError(f"s3 server {' '.join(cmd)!r} {why}; its log ends:\n{tail}")
     time.sleep(0.05)
 
 
