@@ -1,0 +1,1 @@
+"""Test infrastructure that scripts also use: hosts in network namespaces (netns.py)."""
