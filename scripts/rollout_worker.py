@@ -21,12 +21,14 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="the job's work dir, as this host sees it")
   parser.add_argument("--timeout_s", type=float, default=300.0,
-                      help="how long to wait for the job's control.json")
+                      help="how long to wait for the job's control.json and its server")
+  parser.add_argument("--name", default=None,
+                      help="how the job's log names this worker (default: the hostname)")
   args = parser.parse_args()
   from knittrans_jax.rollout import remote
   from knittrans_jax.rollout.worker import worker_main
 
-  w, job, requests, reports, stop = remote.connect(args.workdir, args.timeout_s)
+  w, job, requests, reports, stop = remote.connect(args.workdir, args.timeout_s, args.name)
   print(f"rollout worker {w}: connected; unit worker{w}", flush=True)
   done = threading.Event()
 
