@@ -14,8 +14,9 @@ is shared (the namespaces share the file system, as NFS would).
 Faults, for the test (tests/test_netns_hosts.py) and for measuring:
   --link_down_at K     after step K, unplug the last rollout host; prints how long
                        the controller took to release its worker
-  --kill_trainers_at K after step K, SIGKILL every process on the trainer hosts,
-                       then start them again with --resume (and fresh workers)
+  --kill_trainers_at K once the checkpoint of step K (or a later one) is written,
+                       SIGKILL every process on the trainer hosts, then start them
+                       again with --resume (and fresh workers)
 Prints a JSON report (wall time, release time, ...) and writes it to --json.
 Needs root (network namespaces); says so and exits 2 otherwise.
 """
@@ -161,7 +162,8 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
       if t_down is not None and "release_s" not in report["link_down"] and released(
           job.log_path(job.trainer_hosts[0])):
         report["link_down"]["release_s"] = round(time.monotonic() - t_down, 2)
-      if kill_trainers_at is not None and "kill" not in report and steps >= kill_trainers_at:
+      if (kill_trainers_at is not None and "kill" not in report
+          and _latest_checkpoint(workdir) >= kill_trainers_at):
         job.kill_trainers()
         records = _records(workdir)
         shutil.copy(os.path.join(workdir, "metrics.jsonl"),
@@ -173,6 +175,8 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
       time.sleep(poll_s)
     report["wall_s"] = round(time.monotonic() - t0, 1)
     report["steps"] = len(_records(workdir))
+    if t_down is not None:  # its worker cannot hear that the job ended
+      hosts.kill_host(report["link_down"]["host"])
     job.wait_workers(timeout_s=30)
   return report
 

@@ -37,7 +37,7 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
   return out
 
 
-def _namespaces() -> list[str]:
+def namespaces() -> list[str]:
   out = _ip("netns", "list", check=False).stdout
   return [line.split()[0] for line in out.splitlines() if line.strip()]
 
@@ -74,7 +74,7 @@ def _delete(ns: str) -> None:
 def remove_stale() -> list[str]:
   """Namespaces of an earlier TestHosts whose process is gone; returns their names."""
   stale = []
-  for ns in _namespaces():
+  for ns in namespaces():
     pid = ns[len(PREFIX):].split("-", 1)[0]
     if ns.startswith(PREFIX) and pid.isdigit() and not _alive(int(pid)):
       _delete(ns)
