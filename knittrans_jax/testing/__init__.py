@@ -1,1 +1,2 @@
-"""Test infrastructure that scripts also use: hosts in network namespaces (netns.py)."""
+"""Helpers that tests, benchmarks, fault reports and scripts share: a local S3 server
+(s3_server.py) and hosts in network namespaces (netns.py)."""
