@@ -9,7 +9,10 @@ Hosts: `store` (the S3 server, with --store s3), `trainer0..` (the trainer
 processes under jax.distributed, process 0 on trainer0 also running the
 controller), `rollout0..` (remote rollout workers, scripts/rollout_worker.py).
 Everything after `--` goes to scripts/train.py on every trainer host. The work dir
-is shared (the namespaces share the file system, as NFS would).
+is shared (the namespaces share the file system, as NFS would). With --store s3
+the store is s3://knittrans/WORKDIR_NAME on the store host's S3 server, reached by
+its address (AWS_ENDPOINT_URL_S3 in every process's environment); afterwards
+WORKDIR/logs/committed_ids.txt lists what it holds, as a trainer host reads it.
 
 Faults, for the test (tests/test_netns_hosts.py) and for measuring:
   --link_down_at K     after step K, unplug the last rollout host; prints how long
@@ -23,6 +26,7 @@ Needs root (network namespaces); says so and exits 2 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -35,9 +39,15 @@ from launch_local import ROOT, child_env, tail  # noqa: E402
 
 from knittrans_jax.faults.trainer_kill import _latest_checkpoint, _records  # noqa: E402
 from knittrans_jax.testing import netns  # noqa: E402
+from knittrans_jax.testing.s3_server import start_s3_server  # noqa: E402
 
 COORDINATOR_PORT = 8476  # each start gets the next one: a killed run's port may linger
 RELEASED = "re-dispatching what it held"
+BUCKET = "knittrans"
+# Run on a host: every committed trajectory id in the store, one per line (the store
+# may be reachable only from the hosts).
+LIST_COMMITTED = ("import sys; from knittrans_jax.storage import TrajectoryStore; "
+                  "print('\\n'.join(m.id for m in TrajectoryStore.open(sys.argv[1]).list_committed()))")
 
 
 class HostsJob:
@@ -135,13 +145,18 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
   """Runs the job across the test hosts to the end; returns the report."""
   names = ["store", *(f"trainer{p}" for p in range(trainers)),
            *(f"rollout{r}" for r in range(rollouts))]
-  report: dict = {"hosts": {}, "steps": 0}
+  if store not in ("file", "s3"):
+    raise ValueError(f"--store = {store!r}: use 'file' or 's3'")
+  report: dict = {"hosts": {}, "steps": 0, "store": store}
   t0 = time.monotonic()
-  with netns.TestHosts(names) as hosts:
+  with netns.TestHosts(names) as hosts, contextlib.ExitStack() as stack:
     report["hosts"] = {h: hosts.address(h) for h in names}
-    store_url, store_env = None, {}
-    if store != "file":
-      raise ValueError(f"--store = {store!r}: only 'file' for now")
+    store_url, store_env = None, {}  # None: file://WORKDIR/store, the job's default
+    if store == "s3":
+      s3 = stack.enter_context(start_s3_server(hosts.address("store"), netns=hosts.ns("store")))
+      s3.create_bucket(BUCKET)
+      store_url, store_env = f"s3://{BUCKET}/{os.path.basename(workdir)}", s3.env
+      report["store_url"], report["s3_endpoint"] = store_url, s3.endpoint
     job = HostsJob(hosts, workdir, train_args, trainers, rollouts, devices_per_process,
                    store_url, store_env, remote_timeout_s)
     job.start()
@@ -178,6 +193,16 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
     if t_down is not None:  # its worker cannot hear that the job ended
       hosts.kill_host(report["link_down"]["host"])
     job.wait_workers(timeout_s=30)
+    # What the store holds, listed from a trainer host, for checks after the run.
+    url = store_url or "file://" + os.path.join(workdir, "store")
+    listing = job.hosts.run(job.trainer_hosts[0], [sys.executable, "-c", LIST_COMMITTED, url],
+                            env={**os.environ, **store_env}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    out, err = listing.communicate(timeout=120)
+    if listing.returncode:
+      raise RuntimeError(f"listing the store {url} failed: {err[-2000:]}")
+    with open(os.path.join(workdir, "logs", "committed_ids.txt"), "w") as f:
+      f.write(out)
   return report
 
 
@@ -189,7 +214,8 @@ def main():
   parser.add_argument("--trainers", type=int, default=2, help="trainer hosts (one process each)")
   parser.add_argument("--rollouts", type=int, default=2, help="rollout hosts (one worker each)")
   parser.add_argument("--devices_per_process", type=int, default=4)
-  parser.add_argument("--store", default="file", help="'file': WORKDIR/store")
+  parser.add_argument("--store", default="file",
+                      help="'file': WORKDIR/store; 's3': an S3 server (moto) on host `store`")
   parser.add_argument("--link_down_at", type=int, default=None)
   parser.add_argument("--kill_trainers_at", type=int, default=None)
   parser.add_argument("--remote_timeout_s", type=float, default=15.0,
