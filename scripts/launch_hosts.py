@@ -19,7 +19,8 @@ Faults, for the test (tests/test_netns_hosts.py) and for measuring:
                        the controller took to release its worker
   --kill_trainers_at K once the checkpoint of step K (or a later one) is written,
                        SIGKILL every process on the trainer hosts, then start them
-                       again with --resume (and fresh workers)
+                       again with --resume (and fresh workers; an unplugged rollout
+                       host is plugged in again first)
 Prints a JSON report (wall time, release time, ...) and writes it to --json.
 Needs root (network namespaces); says so and exits 2 otherwise.
 """
@@ -160,38 +161,48 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
     job = HostsJob(hosts, workdir, train_args, trainers, rollouts, devices_per_process,
                    store_url, store_env, remote_timeout_s)
     job.start()
-    t_down = None
+    cut, down = job.rollout_hosts[-1], False
+    t_down = t_kill = None
     deadline = t0 + timeout_s
     while not job.finished():
       if (why := job.failed()) is not None:
         raise RuntimeError(f"a trainer host failed: {why}")
-      if time.monotonic() > deadline:
-        raise TimeoutError(f"the job did not finish in {timeout_s:.0f} s "
-                           f"({len(_records(workdir))} steps)")
+      now = time.monotonic()
       steps = len(_records(workdir))
+      if now > deadline:
+        raise TimeoutError(f"the job did not finish in {timeout_s:.0f} s ({steps} steps)")
+      if steps and "first_step_s" not in report:
+        report["first_step_s"] = round(now - t0, 1)
       if link_down_at is not None and t_down is None and steps >= link_down_at:
-        cut = job.rollout_hosts[-1]
         hosts.link_down(cut)
-        t_down = time.monotonic()
-        report["link_down"] = {"host": cut, "after_step": steps}
+        t_down, down = now, True
+        report["link_down"] = {"host": cut, "after_step": steps, "at_s": round(now - t0, 2)}
       if t_down is not None and "release_s" not in report["link_down"] and released(
           job.log_path(job.trainer_hosts[0])):
-        report["link_down"]["release_s"] = round(time.monotonic() - t_down, 2)
-      if (kill_trainers_at is not None and "kill" not in report
+        report["link_down"]["release_s"] = round(now - t_down, 2)
+      if (kill_trainers_at is not None and t_kill is None
           and _latest_checkpoint(workdir) >= kill_trainers_at):
         job.kill_trainers()
-        records = _records(workdir)
+        t_kill = time.monotonic()
         shutil.copy(os.path.join(workdir, "metrics.jsonl"),
                     os.path.join(workdir, "logs", "metrics_at_kill.jsonl"))
-        report["kill"] = {"hosts": job.trainer_hosts, "after_step": len(records),
-                          "checkpoint_step": _latest_checkpoint(workdir)}
+        report["kill"] = {"hosts": job.trainer_hosts, "after_step": len(_records(workdir)),
+                          "checkpoint_step": _latest_checkpoint(workdir),
+                          "at_s": round(t_kill - t0, 2)}
+        if down:  # the unplugged host comes back, its stuck worker replaced by a fresh one
+          hosts.link_up(cut)
+          hosts.kill_host(cut)
+          down = False
         job.wait_workers(timeout_s=30)  # they hear the job is gone and leave
+        report["kill"]["workers_left_s"] = round(time.monotonic() - t_kill, 2)
         job.start(resume=True)
       time.sleep(poll_s)
     report["wall_s"] = round(time.monotonic() - t0, 1)
+    if t_kill is not None:
+      report["kill"]["resumed_to_end_s"] = round(time.monotonic() - t_kill, 1)
     report["steps"] = len(_records(workdir))
-    if t_down is not None:  # its worker cannot hear that the job ended
-      hosts.kill_host(report["link_down"]["host"])
+    if down:  # its worker cannot hear that the job ended
+      hosts.kill_host(cut)
     job.wait_workers(timeout_s=30)
     # What the store holds, listed from a trainer host, for checks after the run.
     url = store_url or "file://" + os.path.join(workdir, "store")

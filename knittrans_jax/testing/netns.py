@@ -162,9 +162,20 @@ class TestHosts:
       _ip("-n", sw, "link", "set", self._port(host), "master", "br0", "up")
 
   def run(self, host: str, argv: list[str], env: dict | None = None, **popen) -> subprocess.Popen:
-    """`argv` as a process on `host` (its own session, so signals reach only it)."""
+    """`argv` as a process on `host` (its own session, so signals reach only it).
+    Returns once the process is in the host's namespace, so `kill_host` finds it."""
     popen.setdefault("start_new_session", True)
-    return subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], env=env, **popen)
+    proc = subprocess.Popen(["ip", "netns", "exec", self.ns(host), *argv], env=env, **popen)
+    target = os.stat(f"/run/netns/{self.ns(host)}").st_ino
+    deadline = time.monotonic() + 10
+    while proc.poll() is None and time.monotonic() < deadline:
+      try:
+        if os.stat(f"/proc/{proc.pid}/ns/net").st_ino == target:
+          break
+      except FileNotFoundError:
+        break
+      time.sleep(0.005)
+    return proc
 
   def link_down(self, host: str) -> None:
     """Unplugs the host: its switch port goes down, packets to and from it are lost
