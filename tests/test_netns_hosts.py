@@ -22,7 +22,7 @@ import pytest
 from knittrans_jax.testing import netns
 
 OK, WHY = netns.available()
-pytestmark = pytest.mark.skipif(not OK, reason=f"no test hosts here: {WHY}")
+needs_hosts = pytest.mark.skipif(not OK, reason=f"no test hosts here: {WHY}")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6  # configs/text_grpo_test.gin, 3 train batches of 2 mini-batches
 ROWS = 16  # trajectories a step trains (g = 4 groups x n = 4)
@@ -71,6 +71,16 @@ def trained_once(workdir):
   return recs, ids
 
 
+def test_available_says_why_not(monkeypatch):
+  """Without root or `ip` the hosts tests skip with this reason, never pass."""
+  monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+  assert netns.available() == (False, "network namespaces need root (euid is 1000)")
+  monkeypatch.setattr(netns.os, "geteuid", lambda: 0)
+  monkeypatch.setattr(netns.shutil, "which", lambda name: None)
+  ok, why = netns.available()
+  assert not ok and "no `ip` binary" in why
+
+
 @pytest.fixture(scope="module")
 def hosts_run(tmp_path_factory):
   work = tmp_path_factory.mktemp("hosts") / "run"
@@ -82,6 +92,7 @@ def hosts_run(tmp_path_factory):
   return work, report
 
 
+@needs_hosts
 def test_hosts_reach_each_other_and_nothing_else(tmp_path):
   """The hosts' only network: each other's addresses. Unplugging cuts one off;
   killing a host ends its processes; leaving removes every namespace, and a crashed
@@ -120,6 +131,7 @@ def test_hosts_reach_each_other_and_nothing_else(tmp_path):
   assert not set(names) & set(netns.namespaces())
 
 
+@needs_hosts
 def test_job_across_hosts_trains_every_trajectory_once(hosts_run):
   """(a) Trainers on trainer0/trainer1 (jax.distributed over their addresses),
   workers on rollout0/rollout1, the store on the store host: the job completes and
@@ -143,6 +155,7 @@ def test_job_across_hosts_trains_every_trajectory_once(hosts_run):
   assert {i.split("/")[0] for i in ids} <= {f"worker{w}" for w in workers}
 
 
+@needs_hosts
 def test_unplugged_rollout_host_is_released_and_its_groups_redispatched(hosts_run):
   """(b) rollout1's link goes down after step 1: after JobConfig.remote_timeout_s of
   silence the controller releases its worker and fails the groups it had not
@@ -160,6 +173,7 @@ def test_unplugged_rollout_host_is_released_and_its_groups_redispatched(hosts_ru
   assert summary["groups"]["trained"] == STEPS * 4  # replaced: every step still full
 
 
+@needs_hosts
 def test_job_resumes_after_its_trainer_hosts_are_killed(hosts_run):
   """(c) Every process on trainer0 and trainer1 SIGKILLed once the step-4 checkpoint
   is written, then both started again with --resume (and fresh workers): nothing
