@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -236,6 +237,8 @@ def main():
   args, train_args = parser.parse_known_args()
   if train_args and train_args[0] == "--":
     train_args = train_args[1:]
+  # SIGTERM ends the run as Ctrl-C does: the hosts and their processes are removed.
+  signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
   ok, why = netns.available()
   if not ok:
     print(f"launch_hosts: {why}", file=sys.stderr)
