@@ -252,7 +252,8 @@ def main():
     json.dump(out, f, indent=1)
 
   print(f"\ntrajectory store, {out['payload_MiB']:.0f} MiB payload, {out['trajectories']} "
-        f"trajectories, file:// on this machine ({out['cpu_count']} cores)")
+        f"trajectories, file:// on this machine ({out['cpu_count']} cores)"
+        + (", s3:// on a local moto server" if "s3" in results else ""))
   rows = [("append", "write_MBps"), ("sequential read", "read_MBps"),
           ("micro-batch read (16 traj)", "microbatch_read_MBps"),
           ("numpy copy (fresh dst)", "memcpy_MBps"), ("numpy copy (prealloc dst)", "memcpy_prealloc_MBps")]

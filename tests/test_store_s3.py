@@ -1,8 +1,10 @@
 """The store, the fault scenarios and the job on s3://, against a local moto server
 (knittrans_jax/testing/s3_server.py) reached through the standard AWS variables."""
+import argparse
 import dataclasses
 import json
 import re
+import socket
 import subprocess
 import sys
 
@@ -11,6 +13,7 @@ import numpy as np
 import pytest
 from store_helpers import SOURCES, check_payload, group
 
+from knittrans_jax import gin_cli
 from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, s3_outage, trainer_kill,
                                   writer_kill)
 from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
@@ -62,6 +65,12 @@ def test_s3_urls_become_kvstore_specs_from_the_aws_variables(monkeypatch):
   monkeypatch.setenv("AWS_MAX_ATTEMPTS", "zero")
   with pytest.raises(ValueError, match="AWS_MAX_ATTEMPTS='zero'"):
     L.kvstore("s3://bkt/p/")
+
+
+def test_s3_server_that_cannot_start_says_why():
+  with socket.create_server(("127.0.0.1", 0)) as busy:
+    with pytest.raises(RuntimeError, match=r"exited with code 1; its log ends:\n.*in use"):
+      start_s3_server(port=busy.getsockname()[1])
 
 
 @pytest.mark.parametrize("dedup", [True, False])
@@ -145,3 +154,14 @@ def test_bench_store_measures_s3_beside_file(tmp_path):
   for key in ("write_MBps", "read_MBps", "microbatch_read_MBps"):
     assert result[f"s3_vs_file_{key}"] == pytest.approx(result["s3"][key] / result[key])
   assert "s3 (moto)" in proc.stdout
+
+
+def test_a_new_run_refuses_a_store_url_that_holds_a_previous_run(s3_url, tmp_path):
+  """The work dir check does not see a store on s3 (it outlives --overwrite)."""
+  from knittrans_jax.job.run import Job
+  TrajectoryStore.create(s3_url, StoreSchema(sources=("nearest",)))
+  work = tmp_path / "run"
+  gin_cli.parse(argparse.Namespace(gin_file=["configs/text_grpo_test.gin"], workdir=str(work),
+                                   gin_bindings=[f"JobConfig.store_url = '{s3_url}'"]))
+  with pytest.raises(ValueError, match="holds a previous run's store: pass --resume"):
+    Job(str(work))

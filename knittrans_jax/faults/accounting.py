@@ -51,6 +51,8 @@ class PollingReader:
 
   def check(self, out: Outcome) -> None:
     """Adds what the reader saw wrong, twice or not at all to `out` (after a last poll)."""
+    if not self.seen:
+      out.errors.append("the polling reader read no rows while the writers ran")
     self.poll()
     ids = [m.id for m in self.seen]
     out.lost += len(self.bad)

@@ -50,6 +50,11 @@ class TrajectoryStore:
       kv.write(_SCHEMA_KEY, schema.to_json()).result()
     return cls(url, schema)
 
+  @staticmethod
+  def exists(url: str) -> bool:
+    kv = L.open_kvstore(L.normalize_root(url), L.base_context())
+    return kv.read(_SCHEMA_KEY).result().state == "value"
+
   @classmethod
   def open(cls, url: str) -> "TrajectoryStore":
     url = L.normalize_root(url)

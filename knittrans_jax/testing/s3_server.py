@@ -57,7 +57,8 @@ class S3Server:
       cmd = ["ip", "netns", "exec", self.netns] + cmd
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-      raise RuntimeError(f"s3 server {self.endpoint}: {method} {url} failed: {done.stderr.strip()[-2000:]}")
+      raise RuntimeError(f"s3 server {self.endpoint}: {method} {url} failed: "
+                         f"{done.stderr.strip()[-2000:]}")
 
   def log_tail(self, lines=40):
     with open(self.log_path, errors="replace") as f:
@@ -71,6 +72,8 @@ class S3Server:
       except subprocess.TimeoutExpired:
         self.proc.kill()
         self.proc.wait()
+    if os.path.exists(self.log_path):
+      os.remove(self.log_path)
 
   def __enter__(self):
     return self
@@ -84,7 +87,8 @@ def start_s3_server(host="127.0.0.1", port=0, netns=None, timeout_s=60.0):
   `netns` if given, and returns once it answers HTTP. Raises RuntimeError with the
   server's log tail if it exits or does not answer within timeout_s."""
   log_path = tempfile.mkstemp(prefix="s3_server_", suffix=".log")[1]
-  cmd = [sys.executable, "-m", "knittrans_jax.testing.s3_server", "--host", host, "--port", str(port)]
+  cmd = [sys.executable, "-m", "knittrans_jax.testing.s3_server", "--host", host,
+         "--port", str(port)]
   if netns is not None:
     cmd = ["ip", "netns", "exec", netns] + cmd
   with open(log_path, "wb") as log:
@@ -97,10 +101,11 @@ def start_s3_server(host="127.0.0.1", port=0, netns=None, timeout_s=60.0):
       return S3Server(proc, host, int(first[len(_READY):]), log_path, netns)
     if proc.poll() is not None or time.monotonic() > deadline:
       server = S3Server(proc, host, port, log_path, netns)
-      server.stop()
       why = f"exited with code {proc.returncode}" if proc.poll() is not None else \
         f"did not answer within {timeout_s:.0f} s"
-      raise RuntimeError(f"s3 server {' '.join(cmd)!r} {why}; log {log_path}:\n{server.log_tail()}")
+      tail = server.log_tail()
+      server.stop()
+      raise RuntimeError(f"s3 server {' '.join(cmd)!r} {why}; its log ends:\n{tail}")
     time.sleep(0.05)
 
 
