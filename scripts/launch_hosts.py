@@ -12,7 +12,8 @@ Everything after `--` goes to scripts/train.py on every trainer host. The work d
 is shared (the namespaces share the file system, as NFS would). With --store s3
 the store is s3://knittrans/WORKDIR_NAME on the store host's S3 server, reached by
 its address (AWS_ENDPOINT_URL_S3 in every process's environment); afterwards
-WORKDIR/logs/committed_ids.txt lists what it holds, as a trainer host reads it.
+WORKDIR/logs/store_listing.json lists what it holds (committed trajectory ids, each
+unit's host), as a trainer host reads it.
 
 Faults, for the test (tests/test_netns_hosts.py) and for measuring:
   --link_down_at K     after step K, unplug the last rollout host; prints how long
@@ -46,10 +47,12 @@ from knittrans_jax.testing.s3_server import start_s3_server  # noqa: E402
 COORDINATOR_PORT = 8476  # each start gets the next one: a killed run's port may linger
 RELEASED = "re-dispatching what it held"
 BUCKET = "knittrans"
-# Run on a host: every committed trajectory id in the store, one per line (the store
-# may be reachable only from the hosts).
-LIST_COMMITTED = ("import sys; from knittrans_jax.storage import TrajectoryStore; "
-                  "print('\\n'.join(m.id for m in TrajectoryStore.open(sys.argv[1]).list_committed()))")
+# Run on a host (the store may be reachable only from the hosts): every committed
+# trajectory id in the store and the host each unit's writer named.
+LIST_STORE = ("import json, sys; from knittrans_jax.storage import TrajectoryStore; "
+              "s = TrajectoryStore.open(sys.argv[1]); "
+              "print(json.dumps({'committed': [m.id for m in s.list_committed()], "
+              "'unit_hosts': {u: s.unit_host(u) for u in s.units()}}))")
 
 
 class HostsJob:
@@ -207,13 +210,13 @@ def run(workdir: str, train_args: list[str], trainers: int = 2, rollouts: int = 
     job.wait_workers(timeout_s=30)
     # What the store holds, listed from a trainer host, for checks after the run.
     url = store_url or "file://" + os.path.join(workdir, "store")
-    listing = job.hosts.run(job.trainer_hosts[0], [sys.executable, "-c", LIST_COMMITTED, url],
+    listing = job.hosts.run(job.trainer_hosts[0], [sys.executable, "-c", LIST_STORE, url],
                             env={**os.environ, **store_env}, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
     out, err = listing.communicate(timeout=120)
     if listing.returncode:
       raise RuntimeError(f"listing the store {url} failed: {err[-2000:]}")
-    with open(os.path.join(workdir, "logs", "committed_ids.txt"), "w") as f:
+    with open(os.path.join(workdir, "logs", "store_listing.json"), "w") as f:
       f.write(out)
   return report
 

@@ -58,6 +58,10 @@ def joined(log):
   return {int(w): host for w, host in re.findall(r"remote rollout worker (\d+) joined from (\w+)", log)}
 
 
+def store_listing(workdir):
+  return json.loads((workdir / "logs" / "store_listing.json").read_text())
+
+
 def trained_once(workdir):
   """Every step recorded, each trajectory in it once, and only committed ones."""
   recs = records(workdir / "metrics.jsonl")
@@ -66,7 +70,7 @@ def trained_once(workdir):
   assert len(ids) == len(set(ids)) == STEPS * ROWS, "a trajectory trained twice, or missing"
   # The store is on the store host's S3 server, reachable only from the hosts: the
   # script lists it from trainer0 after the run.
-  committed = set((workdir / "logs" / "committed_ids.txt").read_text().split())
+  committed = set(store_listing(workdir)["committed"])
   assert set(ids) <= committed, "trained something that was never committed"
   return recs, ids
 
@@ -153,6 +157,8 @@ def test_job_across_hosts_trains_every_trajectory_once(hosts_run):
   workers = joined(controller_log(work))
   assert sorted(set(workers.values())) == ["rollout0", "rollout1"]
   assert {i.split("/")[0] for i in ids} <= {f"worker{w}" for w in workers}
+  # Each worker's unit names the host it was written from.
+  assert store_listing(work)["unit_hosts"] == {f"worker{w}": h for w, h in workers.items()}
 
 
 @needs_hosts
