@@ -131,10 +131,10 @@ def connect(workdir: str, timeout_s: float = 300.0, name: str | None = None):
       m = manager(address=(info["host"], info["port"]), authkey=bytes.fromhex(info["authkey"]))
       m.connect()
       break
-    except (FileNotFoundError, ConnectionRefusedError) as e:
+    except OSError as e:  # no file yet, or nothing serving at its address (yet)
       if time.monotonic() > deadline:
         why = ("no such file" if isinstance(e, FileNotFoundError)
-               else f"{info['host']}:{info['port']} refused the connection")
+               else f"{info['host']}:{info['port']} did not answer ({e.strerror or e})")
         raise TimeoutError(f"{path}: {why} after {timeout_s:.0f} s: is the job running with "
                            "JobConfig.control_address set, and is the work dir shared?") from e
       time.sleep(0.5)
