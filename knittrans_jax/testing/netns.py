@@ -56,8 +56,10 @@ def _pids(ns: str) -> list[int]:
   return [int(p) for p in _ip("netns", "pids", ns, check=False).stdout.split()]
 
 
-def _delete(ns: str) -> None:
-  """Kills what runs in `ns`, then removes it (its veth ends go with it)."""
+def _kill_all(ns: str) -> list[int]:
+  """SIGKILLs every process in `ns` (again, for any started meanwhile) until none is
+  left or 2.5 s have passed; returns the pids killed."""
+  killed = set()
   for _ in range(50):
     pids = _pids(ns)
     if not pids:
@@ -65,9 +67,16 @@ def _delete(ns: str) -> None:
     for pid in pids:
       try:
         os.kill(pid, signal.SIGKILL)
+        killed.add(pid)
       except ProcessLookupError:
         pass
     time.sleep(0.05)
+  return sorted(killed)
+
+
+def _delete(ns: str) -> None:
+  """Kills what runs in `ns`, then removes it (its veth ends go with it)."""
+  _kill_all(ns)
   _ip("netns", "del", ns, check=False)
 
 
@@ -85,7 +94,7 @@ def remove_stale() -> list[str]:
 def available() -> tuple[bool, str]:
   """(True, '') when hosts can be made here, else (False, why not)."""
   if os.geteuid() != 0:
-    return False, "network namespaces need root (euid is %d)" % os.geteuid()
+    return False, f"network namespaces need root (euid is {os.geteuid()})"
   if shutil.which("ip") is None:
     return False, "no `ip` binary (Debian: apt-get install iproute2)"
   probe = f"{PREFIX}{os.getpid()}-probe-{uuid.uuid4().hex[:6]}"
@@ -191,19 +200,7 @@ class TestHosts:
   def kill_host(self, host: str) -> list[int]:
     """SIGKILLs every process on the host (as a machine that loses power); returns
     their pids once they are gone."""
-    killed = []
-    for _ in range(50):
-      pids = self.pids(host)
-      if not pids:
-        break
-      for pid in pids:
-        try:
-          os.kill(pid, signal.SIGKILL)
-          killed.append(pid)
-        except ProcessLookupError:
-          pass
-      time.sleep(0.05)
-    return sorted(set(killed))
+    return _kill_all(self.ns(host))
 
   def close(self) -> None:
     for ns in reversed(self._created):
