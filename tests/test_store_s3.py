@@ -16,7 +16,7 @@ from store_helpers import SOURCES, check_payload, group
 from knittrans_jax import gin_cli
 from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, s3_outage, trainer_kill,
                                   writer_kill)
-from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
+from knittrans_jax.storage import Image, StoreError, StoreSchema, TrajectoryStore, unit_writer
 from knittrans_jax.storage import layout as L
 from knittrans_jax.testing.s3_server import start_s3_server
 
@@ -165,3 +165,36 @@ def test_a_new_run_refuses_a_store_url_that_holds_a_previous_run(s3_url, tmp_pat
                                    gin_bindings=[f"JobConfig.store_url = '{s3_url}'"]))
   with pytest.raises(ValueError, match="holds a previous run's store: pass --resume"):
     Job(str(work))
+
+
+def test_a_commit_marker_write_with_a_lost_answer_is_resolved_from_the_store(monkeypatch):
+  """On a remote store a marker PUT can land with its answer lost. The writer asks the
+  store: landed is success; unknown is an error saying so, and the next append
+  continues after whatever landed, never over rows a reader may have seen."""
+  store = TrajectoryStore.create("memory://lost_answer/", StoreSchema(sources=SOURCES))
+  w = store.writer("w0")
+  w.append(group(SEED, 0, N))
+  real_write, real_read = unit_writer.write_commit, unit_writer.read_commit
+
+  def write_then_fail(array, commit):
+    real_write(array, commit)
+    raise OSError("connection reset after the PUT")
+
+  monkeypatch.setattr(unit_writer, "write_commit", write_then_fail)
+  assert len(w.append(group(SEED, 1, N))) == N  # it landed: the append succeeded
+  reads = []
+
+  def read_fails_once(*args, **kw):
+    reads.append(1)
+    if len(reads) == 1:
+      raise OSError("server unreachable")
+    return real_read(*args, **kw)
+
+  monkeypatch.setattr(unit_writer, "read_commit", read_fails_once)
+  with pytest.raises(StoreError, match="all of the append or none of it was committed"):
+    w.append(group(SEED, 2, N))  # landed, but the writer cannot know
+  monkeypatch.setattr(unit_writer, "write_commit", real_write)
+  w.append(group(SEED, 3, N))  # re-reads the marker first: goes on after group 2
+  metas = TrajectoryStore.open("memory://lost_answer/").list_committed()
+  assert [m.group_id for m in metas] == [g for g in range(4) for _ in range(N)]
+  check_payload(store.read(metas).result(), SEED, N)

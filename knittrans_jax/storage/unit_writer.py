@@ -222,6 +222,7 @@ class UnitWriter:
       if not landed:
         raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
                          f"(unit still at {c.rows} rows): {e}") from e
+      self._unsure = False  # it holds this append's marker: the append succeeded
     self._commit, self._image_index = new, index
     return metas
 
