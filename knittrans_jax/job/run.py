@@ -276,6 +276,8 @@ class Job:
       return ColocatedPool(generate, self.store.writer("colocated"))
     return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
                       control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
+                      control_advertise=cfg.control_advertise,
+                      remote_timeout_s=cfg.remote_timeout_s,
                       worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,
