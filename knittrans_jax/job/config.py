@@ -10,6 +10,7 @@ from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 from knittrans_jax.models.hf import read_config
 from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
+from knittrans_jax.rollout.remote import HEARTBEAT_S
 
 MODES = ("disaggregated", "colocated", "synchronous")
 
@@ -70,6 +71,8 @@ class JobConfig:
   encode_once: bool = True
   consumers: int | None = None
   control_address: str | None = None
+  control_advertise: str | None = None
+  remote_timeout_s: float = 15.0
   stall_timeout_s: float = 600.0
   checkpoint: str | None = None
   dispatch: str = "shuffled"
@@ -106,6 +109,9 @@ class JobConfig:
                        f"micro_batch_size = {self.micro_batch_size}")
     if self.groups_per_call < 1:
       raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
+    if self.remote_timeout_s <= HEARTBEAT_S:
+      raise ValueError(f"JobConfig.remote_timeout_s = {self.remote_timeout_s} must exceed the "
+                       f"{HEARTBEAT_S:g} s heartbeat, or live workers are released")
     if self.stall_timeout_s <= 0:
       raise ValueError(f"JobConfig.stall_timeout_s = {self.stall_timeout_s} must be > 0")
     if self.mode == "disaggregated":

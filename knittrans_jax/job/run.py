@@ -135,6 +135,12 @@ class Job:
       raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
                        "--overwrite to start over, or another --workdir")
     self.store_url = store_url or cfg.store_url or "file://" + os.path.join(self.workdir, "store")
+    # A store elsewhere (s3://, gs://) outlives the work dir and --overwrite: a new run
+    # must not write into a previous run's units.
+    if not resume and store_url is None and cfg.store_url and TrajectoryStore.exists(cfg.store_url):
+      raise ValueError(f"JobConfig.store_url = {cfg.store_url!r} holds a previous run's store: "
+                       "pass --resume to continue that run, or point JobConfig.store_url at a "
+                       "new location")
     barrier("knittrans_checked")  # every process looked before process 0 creates the store
     if self.controller_process:
       self.store = TrajectoryStore.create(self.store_url, StoreSchema(
@@ -301,6 +307,8 @@ class Job:
       return ColocatedPool(generate, self.store.writer("colocated"))
     return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
                       control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
+                      control_advertise=cfg.control_advertise,
+                      remote_timeout_s=cfg.remote_timeout_s,
                       worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,

@@ -20,7 +20,7 @@ import traceback
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
                 max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
-                math=None) -> None:
+                math=None, host: str | None = None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = ""  # one device per worker
@@ -37,7 +37,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       model = nnx.eval_shape(lambda: make_model(model_config, vit_config, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
-    writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
+    writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
     params, version = None, -1
     compiled: set[int] = set()  # groups-per-call sizes the sampler has compiled for
     parent = multiprocessing.parent_process()
