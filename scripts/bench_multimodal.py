@@ -9,7 +9,9 @@ x 3 per prompt, stored once. --consumers consumer processes (one CPU device each
 split every mini-batch (planned as the job plans it, job/work.py; whole groups per
 consumer) and each takes a full optimizer step of the tiny VLM (ViT + projector +
 decoder, the widths of configs/vlm_grpo_tiny.gin; 14-pixel patches and a 2 x 2
-merge as in Qwen2-VL, so a 448 image is 1024 ViT tokens and 256 LM tokens) on its
+merge as in Qwen2-VL, so a 448 image is 1024 ViT tokens and 256 LM tokens; or, with
+--model, a Qwen2-VL / Qwen2.5-VL checkpoint's tower and decoder, uint8 images run
+through its image processor at the consumer, prompts with the image-pad run) on its
 share with the job's own trainer (job/trainer.py): GRPO loss, grads over its
 micro-batches, AdamW update. The cross-consumer gradient all-reduce is left out:
 it is the same in all four variants. The variants differ only in the trainer's
@@ -54,21 +56,36 @@ VOCAB = 64
 VARIANTS = ("baseline", "dedup_only", "ondemand_only", "knittrans")
 
 
+def qwen_suite(a):
+  """--model's vision inputs (rollout/qwen_vision_tasks.py), or None (the tiny VLM)."""
+  if not a.model:
+    return None
+  from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
+  return QwenVisionTasks.from_checkpoint(a.model, a.image)
+
+
 def build_store(root, args, seed=0):
   from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
   from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
   rng = np.random.default_rng(seed)
+  qwen = qwen_suite(args)
   store = TrajectoryStore.create("file://" + root, StoreSchema(
-      sources=("vqa",), max_prompt_len=args.seq, max_response_len=args.seq))
+      sources=("vqa",), max_prompt_len=args.seq + (qwen.prompt_len if qwen else 0),
+      max_response_len=args.seq))
   writers = [store.writer(f"producer{p}", host=f"host{p % 2}") for p in range(4)]
   batches = []
   for k in range(args.mini_batches):
     groups = []
     for g in range(args.prompts):
       gid = k * args.prompts + g
-      img = Image.of(rng.random((args.image, args.image, 3), dtype=np.float32))
       P = args.seq // 4
       prompt = rng.integers(2, VOCAB, P, dtype=np.int32)
+      if qwen is None:
+        img = Image.of(rng.random((args.image, args.image, 3), dtype=np.float32))
+      else:  # a uint8 image as a data set holds it; its image-pad run before the text
+        img = Image.of(rng.integers(0, 256, (args.image, args.image, 3), dtype=np.uint8))
+        prompt = np.concatenate([[qwen.vision_start], [qwen.model.image_token_id] *
+                                 qwen.image_tokens, [qwen.vision_end], prompt]).astype(np.int32)
       trajs = []
       for i in range(args.n):
         R = int(np.clip(rng.lognormal(np.log(args.seq / 2), 0.4), 4, args.seq - P))
@@ -136,18 +153,33 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
                                    make_mesh, make_optimizer)
 
   a = argparse.Namespace(**args_dict)
-  vit, lm = vlm_configs(a)
   mesh_cfg = MeshConfig()
   mesh = make_mesh(mesh_cfg)
   tx = make_optimizer(OptimizerConfig(learning_rate=1e-4))
-  graphdef, state0, sh = init_train_state(lambda r: VLM(vit, lm, r), tx, mesh, mesh_cfg.rules, 0)
+  qwen = qwen_suite(a)
+  if qwen is None:
+    vit, lm = vlm_configs(a)
+    graphdef, state0, sh = init_train_state(lambda r: VLM(vit, lm, r), tx, mesh, mesh_cfg.rules, 0)
+    naive_forward, path, seq, vocab = naive_vlm_forward, None, a.seq, VOCAB
+  else:  # the checkpoint's weights, its tower per row (naive) or per unique image
+    from flax import nnx
+
+    from knittrans_jax.models import qwen_vl
+    from knittrans_jax.multimodal import QwenVLImages, naive_qwen_forward
+    model, config = qwen_vl.load(a.model, "float32", mesh=mesh, rules=mesh_cfg.rules)
+    graphdef, state0, sh = init_train_state(qwen.make_model, tx, mesh, mesh_cfg.rules, 0,
+                                            params=nnx.state(model, nnx.Param))
+    naive_forward = lambda calls=None: naive_qwen_forward(qwen.grid, calls)  # noqa: E731
+    path, seq, vocab = QwenVLImages(config.vision.merge), a.seq + qwen.prompt_len, \
+        config.text.vocab_size
 
   def fns_with(forward):
     return StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules, forward=forward)
-  fns = fns_with(naive_vlm_forward())
-  steps = {False: None, True: EncodeOnceStep(fns)}
-  layout = BatchLayout(rows=a.micro, seq_len=a.seq, vocab_size=VOCAB,
-                       image_shape=(a.image, a.image, 3))
+  fns = fns_with(naive_forward())
+  steps = {False: None, True: EncodeOnceStep(fns, path=path)}
+  layout = BatchLayout(rows=a.micro, seq_len=seq, vocab_size=vocab,
+                       image_shape=(a.image, a.image, 3), qwen=qwen and qwen.inputs,
+                       image_grid=qwen and qwen.grid)
   store = TrajectoryStore.open(store_url)
   for unit in store.units():
     store.reader(unit)
@@ -158,13 +190,13 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
 
   # -- exactness and encoder counts (untimed; compiles the counted variants) -------
   calls = EncoderCalls()
-  counted = fns_with(naive_vlm_forward(calls))
+  counted = fns_with(naive_forward(calls))
   naive = trainer(OnDemand(store), False, counted).step(works[0], apply=False)
   jax.block_until_ready(naive.grads)
   jax.effects_barrier()
   naive_forwards = calls.forward_images
   calls.reset()
-  dedup = trainer(OnDemand(store), True, step=EncodeOnceStep(fns, calls=calls)).step(
+  dedup = trainer(OnDemand(store), True, step=EncodeOnceStep(fns, calls=calls, path=path)).step(
       works[0], apply=False)
   jax.block_until_ready(dedup.grads)
   jax.effects_barrier()
@@ -284,7 +316,7 @@ def run_point(args) -> dict:
       "encoder_forwards": {"baseline": sum(c["naive_forwards"] for c in checks.values()),
                            "knittrans": sum(c["dedup_forwards"] for c in checks.values()),
                            "unique_images": sum(c["unique_images"] for c in checks.values())},
-      "flops": model_flops(args),
+      "flops": None if args.model else model_flops(args),
       "per_consumer": timings,
   }
   return out
@@ -390,10 +422,13 @@ def main():
   parser.add_argument("--vit_width", type=int, default=64)
   parser.add_argument("--lm_width", type=int, default=64)
   parser.add_argument("--depth", type=int, default=2, help="micro-batches read ahead")
+  parser.add_argument("--model", default=None,
+                      help="a Qwen2-VL / Qwen2.5-VL checkpoint directory: its model in place of "
+                           "the tiny VLM (uint8 images of --image px through its processor)")
   parser.add_argument("--dir", default=None)
   parser.add_argument("--sweep", action="store_true", help="one knob at a time; JSON + PNG")
   args = parser.parse_args()
-  if args.image % (args.patch * args.merge):
+  if not args.model and args.image % (args.patch * args.merge):
     parser.error(f"--image {args.image} is not a multiple of --patch {args.patch} x --merge "
                  f"{args.merge}")
   if args.sweep:
@@ -401,10 +436,14 @@ def main():
   else:
     out = run_point(args)
     print_point(out)
-  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-  with open(args.json, "w") as f:
+  write_json(args.json, out)
+
+
+def write_json(path: str, out: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
     json.dump(out, f, indent=1)
-  print(f"wrote {args.json}")
+  print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Trajectory store benchmark: append, sequential read, micro-batch read, vs memcpy;
 then the image path in both image layouts, side by side.
 
-  python scripts/bench_store.py --json runs/bench_store.json [--mib 64] [--dir DIR]
+  python scripts/bench_store.py --json runs/bench_store.json [--mib 64] [--dir DIR] [--s3]
 
 Everything is measured in this one run on the same bytes:
   write_MBps            appends of 16 trajectories (~2k tokens each) to one unit
@@ -9,7 +9,7 @@ Everything is measured in this one run on the same bytes:
                         log-probs and loss mask, one .npy file each) into a
                         directory beside the store (same filesystem), alternated
                         with the appends in blocks so that noise hits both alike
-  append_vs_npsave      write_MBps / npsave_MBps
+  append_vs_npsave      write_MBps / npsave_MBps (for s3, np.save goes to local disk)
   npsave_whole_MBps     np.save of the whole payload as three arrays (beside it;
                         append_vs_npsave_whole = write_MBps / npsave_whole_MBps)
   read_MBps             one read of a whole unit (64 MiB of payload by default)
@@ -35,6 +35,11 @@ and False (a copy per trajectory: the equal-bytes layout):
   read_moved_MB         bytes that read moved (sequences + every image copy)
   image_bytes_on_disk   size of the unit's image data files
   image_copies          rows of the image table
+
+s3 (with --s3): the same append and reads with the store on s3://, against a local
+moto S3 server started on loopback for the run (knittrans_jax/testing/s3_server.py),
+beside the file:// figures above; s3_vs_file_* are the ratios. moto is a Python
+server: these are its throughput and per-request cost, not those of S3.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import numpy as np
 from tqdm import tqdm
 
 from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
+from knittrans_jax.testing.s3_server import start_s3_server
 from knittrans_jax.types import Trajectory
 
 MiB = 2**20
@@ -89,9 +95,10 @@ def _timeit(fn, reps):
   return times
 
 
-def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed: int = 0) -> dict:
+def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_dir: str,
+          seed: int = 0) -> dict:
+  """`npy_dir`: where np.save writes the same payload (beside a file:// store)."""
   schema = StoreSchema(sources=("math",), payload_checksum=checksum)
-  url = "file://" + root
   store = TrajectoryStore.create(url, schema)
   writer = store.writer("bench")
   rng = np.random.default_rng(seed)
@@ -109,7 +116,6 @@ def bench(root: str, mib: int, reps: int, micro_reps: int, checksum: bool, seed:
                                              t.loss_mask.astype(np.uint8)]) for t in b])]
             for b in batches]
   assert sum(a.nbytes for arrs in arrays for a in arrs) == written
-  npy_dir = root.rstrip("/") + "_npsave"
   os.makedirs(npy_dir)
   write_s = npsave_s = 0.0
   blocks = 8  # appends and np.save alternate, block by block
@@ -241,6 +247,8 @@ def main():
   parser.add_argument("--image_shape", default="448,448,3", help="float32 image shape")
   parser.add_argument("--read_trajectories", type=int, default=128)
   parser.add_argument("--image_reps", type=int, default=5)
+  parser.add_argument("--s3", action="store_true",
+                      help="also run the append and reads on s3:// (a local moto server)")
   args = parser.parse_args()
   shape = tuple(int(d) for d in args.image_shape.split(","))
 
@@ -251,7 +259,14 @@ def main():
       root = os.path.join(base, f"store_checksum{int(checksum)}")
       shutil.rmtree(root, ignore_errors=True)
       results["checksum" if checksum else "default"] = bench(
-          os.path.abspath(root), args.mib, args.reps, args.micro_reps, checksum)
+          "file://" + os.path.abspath(root), args.mib, args.reps, args.micro_reps, checksum,
+          os.path.abspath(root) + "_npsave")
+    if args.s3:
+      with start_s3_server() as server:
+        server.create_bucket("bench-store")
+        os.environ.update(server.env)
+        results["s3"] = bench("s3://bench-store/store", args.mib, args.reps, args.micro_reps,
+                              False, os.path.join(os.path.abspath(base), "s3_npsave"))
     images = {"groups": args.image_groups, "n": args.image_n, "image_shape": list(shape),
               "image_MB": 4 * np.prod(shape) / 1e6}
     for name, dedup in (("dedup", True), ("no_dedup", False)):
@@ -269,19 +284,25 @@ def main():
   out["cpu_count"] = os.cpu_count()
   if "checksum" in results:
     out["with_payload_checksum"] = results["checksum"]
+  if "s3" in results:
+    out["s3"] = results["s3"]
+    for key in ("write_MBps", "read_MBps", "microbatch_read_MBps"):
+      out[f"s3_vs_file_{key}"] = results["s3"][key] / out[key]
   out["images"] = images
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
 
   print(f"\ntrajectory store, {out['payload_MiB']:.0f} MiB payload, {out['trajectories']} "
-        f"trajectories, file:// on this machine ({out['cpu_count']} cores)")
+        f"trajectories, file:// on this machine ({out['cpu_count']} cores)"
+        + (", s3:// on a local moto server" if "s3" in results else ""))
   rows = [("append", "write_MBps"), ("np.save per append", "npsave_MBps"),
           ("np.save whole payload", "npsave_whole_MBps"), ("sequential read", "read_MBps"),
           ("micro-batch read (16 traj)", "microbatch_read_MBps"),
           ("numpy copy (fresh dst)", "memcpy_MBps"), ("numpy copy (prealloc dst)", "memcpy_prealloc_MBps")]
   cols = [("default", results["default"])] + ([("crc32c", results["checksum"])]
                                                 if "checksum" in results else [])
+  cols += [("s3 (moto)", results["s3"])] if "s3" in results else []
   print(f"  {'':<28}" + "".join(f"{name:>12}" for name, _ in cols) + "  (MB/s)")
   for label, key in rows:
     print(f"  {label:<28}" + "".join(f"{r[key]:>12.0f}" for _, r in cols))

@@ -21,12 +21,15 @@ def main():
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--workdir", required=True, help="the job's work dir, as this host sees it")
   parser.add_argument("--timeout_s", type=float, default=300.0,
-                      help="how long to wait for the job's control.json")
+                      help="how long to wait for the job's control.json and its server")
+  parser.add_argument("--name", default=None,
+                      help="this worker's host, as the job's log and its unit's unit.json "
+                      "name it (default: the hostname)")
   args = parser.parse_args()
   from knittrans_jax.rollout import remote
   from knittrans_jax.rollout.worker import worker_main
 
-  w, job, requests, reports, stop = remote.connect(args.workdir, args.timeout_s)
+  w, job, requests, reports, stop = remote.connect(args.workdir, args.timeout_s, args.name)
   print(f"rollout worker {w}: connected; unit worker{w}", flush=True)
   done = threading.Event()
 
@@ -46,7 +49,7 @@ def main():
     worker_main(w, os.path.abspath(args.workdir), store_url, job["seed"], job["n"],
                 job["model_config"], job["sampler_config"], requests, reports, stop,
                 suite=job["suite"], vit_config=job["vit_config"], math=job.get("math"),
-                max_groups_per_call=job.get("groups_per_call", 4))
+                max_groups_per_call=job.get("groups_per_call", 4), host=args.name)
   except (OSError, EOFError) as e:  # the controller went away mid-call
     print(f"rollout worker {w}: the job is gone ({e.__class__.__name__}); exiting", flush=True)
   finally:

@@ -7,7 +7,8 @@
 
 Several trainer processes (jax.distributed; see docs/distributed.md and
 scripts/launch_local.py, which starts them all on one machine):
-  python scripts/train.py ... --coordinator_address HOST:PORT --num_processes N --process_id I
+  python scripts/train.py ... --coordinator_address HOST:PORT --num_processes N --process_id I \
+      [--host_address THIS_HOST_ADDRESS]
 
 Writes WORKDIR/{config.gin, operative_config.gin, metrics.jsonl, summary.json,
 checkpoints/, store/, weights/} and prints the summary as a table.
@@ -30,11 +31,15 @@ def main():
                       help="host:port of process 0's coordination service (jax.distributed)")
   parser.add_argument("--num_processes", type=int, default=1, help="trainer processes in all")
   parser.add_argument("--process_id", type=int, default=0, help="this trainer process's index")
+  parser.add_argument("--host_address", default=None,
+                      help="this host's address as the other trainer hosts reach it (the CPU "
+                      "collectives listen there; default: the address of the hostname)")
   args = parser.parse_args()
   if args.overwrite and args.resume:
     parser.error("--overwrite and --resume exclude each other")
   try:
-    setup = distributed.ProcessSetup(args.coordinator_address, args.num_processes, args.process_id)
+    setup = distributed.ProcessSetup(args.coordinator_address, args.num_processes, args.process_id,
+                                     args.host_address)
   except ValueError as e:
     parser.error(str(e))
   if args.overwrite and setup.process_id == 0:

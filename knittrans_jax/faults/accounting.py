@@ -10,8 +10,8 @@ import sys
 import threading
 from typing import Iterable
 
-from knittrans_jax.faults.data import mismatches
-from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.faults.data import group, mismatches
+from knittrans_jax.storage import StoreError, TrajectoryStore
 
 
 @dataclasses.dataclass
@@ -91,6 +91,48 @@ class DrainedProcess:
       t.join(timeout=timeout)
     with self._cv:
       return "".join(self._out), "".join(self._err)
+
+
+class PollingReader:
+  """A consumer beside the writers: lists newly committed rows (StoreWatcher) and
+  reads them at once, checking each against its source. `bad`: rows read wrong."""
+
+  def __init__(self, store: TrajectoryStore, seed: int, n: int):
+    self.store, self.seed, self.n = store, seed, n
+    self.watcher = store.watch()
+    self.seen, self.bad = [], []
+
+  def poll(self) -> int:
+    new = self.watcher.poll()
+    if new:
+      self.bad += mismatches(self.store.read(new).result(), self.seed, self.n)
+      self.seen += new
+    return len(new)
+
+  def check(self, out: Outcome) -> None:
+    """Adds what the reader saw wrong, twice or not at all to `out` (after a last poll)."""
+    if not self.seen:
+      out.errors.append("the polling reader read no rows while the writers ran")
+    self.poll()
+    ids = [m.id for m in self.seen]
+    out.lost += len(self.bad)
+    out.duplicated += len(ids) - len(set(ids))
+    if set(ids) != {m.id for m in self.store.list_committed()}:
+      out.errors.append("the polling reader's view differs from the final listing")
+
+
+def append_until_failure(writer, seed: int, n: int, limit: int = 100_000):
+  """Appends groups 0, 1, ... until an append raises StoreError. Returns the acknowledged
+  groups, the group whose append failed and the error (None if `limit` was reached)."""
+  acked, gid = set(), 0
+  while gid < limit:
+    try:
+      writer.append(group(seed, gid, n))
+    except StoreError as e:
+      return acked, gid, e
+    acked.add(gid)
+    gid += 1
+  return acked, gid, None
 
 
 def start_writer(url: str, unit: str, seed: int, first: int, count: int, n: int,

@@ -11,24 +11,37 @@ import numpy as np
 from knittrans_jax.faults.accounting import Outcome
 from knittrans_jax.faults.data import SCHEMA, group, mismatches
 from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.quarantine import QuarantiningReader
 
 ARRAYS = ("tokens", "logprobs", "loss_mask")
 DAMAGE = ("truncate", "delete", "garbage")
 
 
-def _chunk_path(root: str, unit: str, array: str, index: int) -> str:
-  return os.path.join(root, unit, array, "c", str(index))
+def damage_chunk(store_url: str, unit: str, array: str, index: int, damage: str) -> None:
+  """Truncates, deletes or overwrites the head of one chunk of a unit's array, through
+  the kvstore, so the same damage is done on every backend (file, s3...)."""
+  kv = L.open_kvstore(L.join(store_url, unit, array), L.base_context())
+  key = f"c/{index}"
+  if damage == "delete":
+    del kv[key]
+    return
+  data = kv[key]
+  if damage == "truncate":
+    kv[key] = data[:len(data) // 2]
+  else:
+    kv[key] = b"\xff" * min(64, len(data)) + data[64:]
 
 
 def run(root: str, trials: int = 6, seed: int = 11, n: int = 4, units: int = 3,
-        groups: int = 24, micro: int = 16) -> Outcome:
+        groups: int = 24, micro: int = 16, store_url: str | None = None) -> Outcome:
+  """`store_url`: the stores live under it (default file://ROOT)."""
   rng = np.random.default_rng(seed)
   schema = dataclasses.replace(SCHEMA, token_chunk=512)  # several chunks per unit
   out = Outcome("corrupt or truncated chunk in one unit")
   for t in range(trials):
-    base = os.path.join(os.path.abspath(root), f"trial{t}", "store")
-    store = TrajectoryStore.create(f"file://{base}", schema)
+    base = L.join(store_url or f"file://{os.path.abspath(root)}", f"trial{t}", "store")
+    store = TrajectoryStore.create(base, schema)
     for u in range(units):
       w = store.writer(f"u{u}")
       for g in range(groups):
@@ -39,14 +52,7 @@ def run(root: str, trials: int = 6, seed: int = 11, n: int = 4, units: int = 3,
     metas = store.list_committed()
     victim_tokens = max(m.token_end for m in metas if m.unit == victim)
     index = int(rng.integers(victim_tokens // schema.token_chunk))  # a full chunk
-    path = _chunk_path(base, victim, array, index)
-    if damage == "truncate":
-      os.truncate(path, os.path.getsize(path) // 2)
-    elif damage == "delete":
-      os.remove(path)
-    else:
-      with open(path, "r+b") as f:
-        f.write(b"\xff" * min(64, os.path.getsize(path)))
+    damage_chunk(base, victim, array, index, damage)
     lo, hi = index * schema.token_chunk, (index + 1) * schema.token_chunk
     damaged = {m.id for m in metas if m.unit == victim and m.token_start < hi and m.token_end > lo}
     reader = QuarantiningReader(TrajectoryStore.open(store.url))

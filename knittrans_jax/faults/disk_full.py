@@ -16,7 +16,7 @@ import subprocess
 
 import numpy as np
 
-from knittrans_jax.faults.accounting import Outcome, check_store
+from knittrans_jax.faults.accounting import Outcome, append_until_failure, check_store
 from knittrans_jax.faults.data import SCHEMA, group
 from knittrans_jax.storage import StoreError, TrajectoryStore
 
@@ -59,17 +59,9 @@ def run(root: str, trials: int = 3, seed: int = 5, n: int = 4) -> Outcome:
       with open(filler, "wb") as f:  # freed after the failure to show recovery
         f.write(b"\0" * (128 << 10))
       writer = store.writer("w0")
-      acked, gid, failed = set(), 0, None
       limit = file_size_limit(size_kib << 10) if kind == "rlimit" else contextlib.nullcontext()
       with limit:
-        while gid < 100_000:
-          try:
-            writer.append(group(seed, gid, n))
-          except StoreError as e:
-            failed = e
-            break
-          acked.add(gid)
-          gid += 1
+        acked, gid, failed = append_until_failure(writer, seed, n)
       if failed is None:
         out.errors.append(f"trial {t}: the disk never filled")
         continue

@@ -18,6 +18,7 @@ import numpy as np
 
 from knittrans_jax.faults.accounting import Outcome
 from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.storage import layout as L
 
 
 def _records(workdir: str) -> list[dict]:
@@ -51,12 +52,18 @@ def _latest_checkpoint(workdir: str) -> int:
 
 
 def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
-        gin_file: str = "configs/text_grpo_test.gin", timeout: float = 600) -> Outcome:
+        gin_file: str = "configs/text_grpo_test.gin", timeout: float = 600,
+        store_url: str | None = None) -> Outcome:
+  """`store_url`: the trials' stores live under it (default: each in its work dir)."""
   rng = np.random.default_rng(seed)
   out = Outcome("trainer SIGKILL, then --resume")
-  bindings = [f"JobConfig.train_batches = {train_batches}", "CheckpointConfig.every_steps = 2"]
   for t in range(trials):
     work = os.path.join(os.path.abspath(root), f"trial{t}")
+    bindings = [f"JobConfig.train_batches = {train_batches}", "CheckpointConfig.every_steps = 2"]
+    url = "file://" + os.path.join(work, "store")  # the job's default
+    if store_url:
+      url = L.join(store_url, f"trial{t}")
+      bindings.append(f"JobConfig.store_url = '{url}'")
     proc = _start(work, gin_file, bindings)
     target = train_batches * 2  # configs/text_grpo_test.gin: 2 mini-batches per train batch
     kill_at = int(rng.integers(2, target - 1))
@@ -78,8 +85,7 @@ def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
       continue
     recs = _records(work)
     ids = [i for r in recs for i in r["ids"]]
-    committed = {m.id for m in TrajectoryStore.open(
-        "file://" + os.path.join(work, "store")).list_committed()}
+    committed = {m.id for m in TrajectoryStore.open(url).list_committed()}
     out.trials += 1
     out.written += len(committed)
     out.trained += len(set(ids))

@@ -8,6 +8,9 @@ import gin
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
+from knittrans_jax.models.hf import read_config
+from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
+from knittrans_jax.rollout.remote import HEARTBEAT_S
 
 MODES = ("disaggregated", "colocated", "synchronous")
 
@@ -36,7 +39,9 @@ class JobConfig:
     so the sources' length differences show in completion times.
   checkpoint: a Hugging Face decoder directory (models/hf.py) the policy starts
     from; its config.json sets the architecture, DecoderConfig's dtype, param_dtype,
-    remat and attention still apply. None: DecoderConfig, randomly initialised.
+    remat and attention still apply. None: DecoderConfig, randomly initialised. With
+    suite 'vision', a Qwen2-VL / Qwen2.5-VL directory (models/qwen_vl.py): the vision
+    tasks as its token sequences (rollout/qwen_vision_tasks.py, QwenVisionTaskConfig).
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
   control_address: HOST:PORT where the controller serves rollout workers on other
@@ -66,6 +71,8 @@ class JobConfig:
   encode_once: bool = True
   consumers: int | None = None
   control_address: str | None = None
+  control_advertise: str | None = None
+  remote_timeout_s: float = 15.0
   stall_timeout_s: float = 600.0
   checkpoint: str | None = None
   dispatch: str = "shuffled"
@@ -91,14 +98,20 @@ class JobConfig:
         os.path.join(self.checkpoint, "config.json")):
       raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} is not a Hugging Face "
                        "checkpoint directory (no config.json)")
-    if self.checkpoint is not None and self.suite == "vision":
-      raise ValueError("JobConfig.checkpoint: the 'vision' suite trains the tiny VLM; "
-                       "Hugging Face decoders run the 'text' and 'math' suites")
+    if self.checkpoint is not None and self.suite == "vision" and (
+        model_type := read_config(self.checkpoint).get("model_type")) not in VL_MODEL_TYPES:
+      raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} has model_type "
+                       f"{model_type!r}: the 'vision' suite takes a Qwen-VL checkpoint "
+                       f"{VL_MODEL_TYPES} (or none: the tiny VLM); decoders run 'text' and "
+                       "'math'")
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")
     if self.groups_per_call < 1:
       raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
+    if self.remote_timeout_s <= HEARTBEAT_S:
+      raise ValueError(f"JobConfig.remote_timeout_s = {self.remote_timeout_s} must exceed the "
+                       f"{HEARTBEAT_S:g} s heartbeat, or live workers are released")
     if self.stall_timeout_s <= 0:
       raise ValueError(f"JobConfig.stall_timeout_s = {self.stall_timeout_s} must be > 0")
     if self.mode == "disaggregated":

@@ -15,6 +15,7 @@ has no collective timeout to hit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import pickle
 
 import jax
@@ -25,10 +26,16 @@ _WAIT_MS = 24 * 3600 * 1000  # a follower waits as long as the controller needs
 
 @dataclasses.dataclass(frozen=True)
 class ProcessSetup:
-  """Where this trainer process sits; one process needs no coordinator."""
+  """Where this trainer process sits; one process needs no coordinator.
+
+  host_address: this host's address as the other trainer hosts reach it; the CPU
+  collectives (gloo) listen there. None: the address this machine's hostname
+  resolves to, gloo's default (which may be a loopback address another host cannot
+  reach, as on this project's test hosts, knittrans_jax/testing/netns.py)."""
   coordinator_address: str | None = None
   num_processes: int = 1
   process_id: int = 0
+  host_address: str | None = None
 
   def __post_init__(self):
     if self.num_processes < 1:
@@ -47,6 +54,19 @@ def initialize(setup: ProcessSetup) -> None:
     return
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(setup.coordinator_address, setup.num_processes, setup.process_id)
+  if setup.host_address:
+    _gloo_listens_on(setup.host_address)
+
+
+def _gloo_listens_on(address: str) -> None:
+  """The CPU backend, when JAX creates it, with gloo bound to `address`: JAX's own
+  factory passes no address, and gloo's default is this hostname's address."""
+  from jax._src import xla_bridge
+  from jax._src.lib import _jax
+  collectives = _jax.make_gloo_tcp_collectives(distributed_client=_client(), hostname=address)
+  xla_bridge.register_backend_factory(
+      "cpu", functools.partial(xla_bridge.make_cpu_client, collectives=collectives),
+      priority=0, fail_quietly=False)
 
 
 def _client():

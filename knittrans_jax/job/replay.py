@@ -13,6 +13,7 @@ import os
 
 import jax
 
+from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.run import Job
 from knittrans_jax.train import Checkpointer, abstract_state
 from knittrans_jax.types import GroupInfo, MiniBatch
@@ -54,7 +55,9 @@ def replay(run_dir: str, workdir: str, consumers: int) -> Job:
   reads `run_dir`'s store, trains its logged mini-batches planned over `consumers`,
   and returns it (job.trainer.state, job.log.records)."""
   run_dir = os.path.abspath(run_dir)
-  job = Job(workdir, store_url="file://" + os.path.join(run_dir, "store"), consumers=consumers)
+  # The run's store: its JobConfig.store_url (s3://...), else the one in its work dir.
+  store_url = JobConfig().store_url or "file://" + os.path.join(run_dir, "store")
+  job = Job(workdir, store_url=store_url, consumers=consumers)
   try:
     for mb in logged_mini_batches(run_dir, job.store):
       work = job.planner(mb)

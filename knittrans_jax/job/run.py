@@ -47,15 +47,17 @@ from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Traine
 from knittrans_jax.job.trainer_group import TrainerGroup, follow
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.job.workers import ColocatedPool, WorkerPool
-from knittrans_jax.models import DecoderConfig, ViTConfig, hf
+from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
 from knittrans_jax.models.vlm import make_model
-from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, check_deterministic,
+from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, PrefixImages,
+                                      QwenVLImages, check_deterministic, naive_qwen_forward,
                                       naive_vlm_forward)
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
 from knittrans_jax.rollout.groups import (MathSource, rollout_groups, suite_prompt_len,
                                          suite_sources)
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
+from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
@@ -74,8 +76,20 @@ def model_config(cfg: JobConfig) -> DecoderConfig:
   d = DecoderConfig()
   if not cfg.checkpoint:
     return d
-  return hf.config_from_hf(hf.read_config(cfg.checkpoint), dtype=d.dtype,
-                           param_dtype=d.param_dtype, remat=d.remat, attention=d.attention)
+  kw = dict(dtype=d.dtype, param_dtype=d.param_dtype, remat=d.remat, attention=d.attention)
+  if cfg.suite == "vision":  # a Qwen-VL checkpoint (JobConfig checked): its language model
+    return qwen_vl.config_from_hf(hf.read_config(cfg.checkpoint), **kw).text
+  return hf.config_from_hf(hf.read_config(cfg.checkpoint), **kw)
+
+
+def qwen_suite(cfg: JobConfig) -> QwenVisionTasks | None:
+  """The vision suite on JobConfig.checkpoint's Qwen-VL model, or None (the tiny VLM)."""
+  if cfg.suite != "vision" or not cfg.checkpoint:
+    return None
+  d = DecoderConfig()
+  return QwenVisionTasks.from_checkpoint(
+      cfg.checkpoint, QwenVisionTaskConfig().image_size, dtype=d.dtype, param_dtype=d.param_dtype,
+      remat=d.remat, attention=d.attention)
 
 
 class Job:
@@ -93,7 +107,10 @@ class Job:
     self._check_processes()
     self.model_cfg, self.sampler_cfg, self.loss_cfg = model_config(cfg), SamplerConfig(), LossConfig()
     self.vision = cfg.suite == "vision"
-    self.vit_cfg = ViTConfig() if self.vision else None
+    self.qwen = qwen_suite(cfg)
+    # The vision model's config: the tiny VLM's ViT, or the Qwen-VL suite (which makes its
+    # model, models/vlm.make_model); workers and the colocated sampler get the same.
+    self.vit_cfg = (self.qwen or ViTConfig()) if self.vision else None
     self.math = None
     if cfg.suite == "math":
       mcfg = MathTaskConfig()
@@ -106,6 +123,8 @@ class Job:
       self.sampler_cfg = dataclasses.replace(
           self.sampler_cfg, stop_tokens=self.math.suite().tokenizer.stop_ids)
     self.sources = suite_sources(cfg.suite, self.math)
+    self.prompt_len = (self.qwen.prompt_len if self.qwen is not None
+                       else suite_prompt_len(cfg.suite, self.math))
     # The sources the job trains on: the quota's, or the whole suite without one.
     quota = cfg.spec.source_quota
     self.trained_sources = tuple(quota) if quota else self.sources
@@ -116,10 +135,16 @@ class Job:
       raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
                        "--overwrite to start over, or another --workdir")
     self.store_url = store_url or cfg.store_url or "file://" + os.path.join(self.workdir, "store")
+    # A store elsewhere (s3://, gs://) outlives the work dir and --overwrite: a new run
+    # must not write into a previous run's units.
+    if not resume and store_url is None and cfg.store_url and TrajectoryStore.exists(cfg.store_url):
+      raise ValueError(f"JobConfig.store_url = {cfg.store_url!r} holds a previous run's store: "
+                       "pass --resume to continue that run, or point JobConfig.store_url at a "
+                       "new location")
     barrier("knittrans_checked")  # every process looked before process 0 creates the store
     if self.controller_process:
       self.store = TrajectoryStore.create(self.store_url, StoreSchema(
-          sources=self.sources, max_prompt_len=suite_prompt_len(cfg.suite, self.math),
+          sources=self.sources, max_prompt_len=self.prompt_len,
           max_response_len=self.sampler_cfg.max_new_tokens))
     barrier("knittrans_store_created")
     if not self.controller_process:
@@ -144,6 +169,9 @@ class Job:
       eval_cfg = EvalConfig()
       self.evaluator = None
       if eval_cfg.every_steps:
+        if self.qwen is not None:
+          raise ValueError("EvalConfig.every_steps: held-out evaluation of a Qwen-VL policy is "
+                           "not built yet; set it to 0")
         if self.processes > 1:
           raise ValueError("EvalConfig.every_steps: held-out evaluation runs in one trainer "
                            f"process for now; this job has {self.processes}")
@@ -166,7 +194,7 @@ class Job:
                        f"{cfg.micro_batch_size}")
 
   def _check_model_and_tasks(self) -> None:
-    cfg, prompt_len = self.cfg, suite_prompt_len(self.cfg.suite, self.math)
+    cfg, prompt_len = self.cfg, self.prompt_len
     vocab = self.math.suite().tokenizer.vocab_size if self.math else tasks.VOCAB_SIZE
     if self.model_cfg.vocab_size < vocab:
       raise ValueError(f"DecoderConfig.vocab_size = {self.model_cfg.vocab_size} < the tasks' "
@@ -194,10 +222,13 @@ class Job:
   def _build_trainer(self, resume: bool) -> tuple[Trainer, dict | None]:
     cfg = self.cfg
     encode_once = self.vision and cfg.encode_once
+    qwen = self.qwen
+    path = QwenVLImages(qwen.model.vision.merge) if qwen is not None else PrefixImages()
     if encode_once:  # refuses dropout with the reason (encoding once would change it)
       with nnx.use_eager_sharding(False):
-        check_deterministic(nnx.eval_shape(lambda: self._model_fn(nnx.Rngs(0))))
-    elif self.vision and self.vit_cfg.dropout:
+        check_deterministic(nnx.eval_shape(lambda: self._model_fn(nnx.Rngs(0))),
+                            path.encoder_keys)
+    elif self.vision and qwen is None and self.vit_cfg.dropout:
       raise ValueError(f"ViTConfig.dropout = {self.vit_cfg.dropout}: the trainer keeps no "
                        "dropout rng state; set it to 0")
     mesh_cfg = MeshConfig()
@@ -206,14 +237,17 @@ class Job:
     params = None
     if cfg.checkpoint and not (resume and self.ckpt.latest_step() is not None):
       m = self.model_cfg
-      model, _ = hf.load(cfg.checkpoint, m.dtype, mesh=self.mesh, rules=self.rules,
-                         param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
+      load = qwen_vl.load if qwen is not None else hf.load
+      model, _ = load(cfg.checkpoint, m.dtype, mesh=self.mesh, rules=self.rules,
+                      param_dtype=m.param_dtype, remat=m.remat, attention=m.attention)
       params = nnx.state(model, nnx.Param)
     graphdef, state, shardings = init_train_state(self._model_fn, tx, self.mesh, self.rules,
                                                   cfg.seed, params=params)
     self.graphdef = graphdef
+    forward = (naive_qwen_forward(qwen.grid) if qwen is not None
+               else naive_vlm_forward() if self.vision else text_forward)
     fns = StepFunctions(graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules,
-                        forward=naive_vlm_forward() if self.vision else text_forward)
+                        forward=forward)
     self.rows_multiple = rows_multiple(self.mesh, self.rules)
     if cfg.micro_batch_size % self.rows_multiple:
       raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
@@ -233,7 +267,10 @@ class Job:
     layout = BatchLayout(rows=cfg.micro_batch_size // self.processes, seq_len=cfg.seq_len,
                          vocab_size=self.model_cfg.vocab_size,
                          rows_multiple=self.rows_multiple // self.processes,
-                         image_shape=(vit.image_size, vit.image_size, vit.channels) if vit else None)
+                         image_shape=((vit.image_size, vit.image_size, 3 if qwen else vit.channels)
+                                      if vit else None),
+                         qwen=qwen.inputs if qwen is not None else None,
+                         image_grid=qwen.grid if qwen is not None else None)
     # A damaged unit is quarantined, not fatal: its readable rows and every other
     # unit still train; skipped rows show as tokens_skipped in metrics.jsonl.
     self.quarantine = QuarantiningReader(self.store)
@@ -241,7 +278,7 @@ class Job:
             if cfg.data_path == "ondemand" else Centralized(local_driver(self.store)))
     trainer = Trainer(
         fns, state, data, layout, range(self.process * per_process, (self.process + 1) * per_process),
-        encode_once=EncodeOnceStep(fns, EncodeOnceConfig()) if encode_once else None,
+        encode_once=EncodeOnceStep(fns, EncodeOnceConfig(), path=path) if encode_once else None,
         vision=self.vision, version=version, quarantine=self.quarantine, checkpointer=self.ckpt,
         publisher=WeightPublisher(self.workdir, process=self.process, version=version),
         process=self.process, processes=self.processes)
@@ -266,10 +303,12 @@ class Job:
       image_size = self.vit_cfg.image_size if self.vision else 0
       generate = lambda requests: rollout_groups(  # noqa: E731  (the current weights)
           self.graphdef, self.trainer.state.params, self.trainer.version, cfg.seed, requests,
-          cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size, self.math)
+          cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size, self.math, qwen=self.qwen)
       return ColocatedPool(generate, self.store.writer("colocated"))
     return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
                       control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
+                      control_advertise=cfg.control_advertise,
+                      remote_timeout_s=cfg.remote_timeout_s,
                       worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,

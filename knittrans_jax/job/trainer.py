@@ -24,7 +24,11 @@ notes' data-ready minus compute-could-start.
 
 Steps: text, the naive VLM step (images in every row) or the encode-once step
 (multimodal/, image slots read once per mini-batch, first in the segment). Gradient
-and metric sums stay on the devices; the version is counted on the host.
+and metric sums stay on the devices; the version is counted on the host. With
+`BatchLayout.qwen` (a Qwen-VL checkpoint) the stored images go through its image
+processor here: encode-once packs the consumers' unique images for the tower and
+each micro-batch carries M-RoPE positions and embed_index; the naive step carries
+every row's own pixel_values (multimodal/qwen_images.py).
 """
 from __future__ import annotations
 
@@ -43,7 +47,8 @@ from knittrans_jax.dataplane.centralized import CentralizedReader
 from knittrans_jax.job import distributed
 from knittrans_jax.job.batching import build_batch
 from knittrans_jax.job.work import StepWork
-from knittrans_jax.multimodal import EncodeOnceStep, read_slot_images
+from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
+                                      image_fields, read_owned_images, read_slot_images)
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.train import Checkpointer, StepFunctions, TrainState, check_batch, put_batch
 from knittrans_jax.train.batch import batch_shardings
@@ -74,6 +79,10 @@ class BatchLayout:
   vocab_size: int
   rows_multiple: int = 1  # batch shards this trainer's rows split over
   image_shape: tuple[int, int, int] | None = None
+  # Qwen-VL (multimodal/qwen_images.py): stored images -> the tower's inputs, and the
+  # (t, h, w) grid every image of the run has (the naive step's static shape).
+  qwen: QwenImageInputs | None = None
+  image_grid: tuple[int, int, int] | None = None
 
 
 @dataclasses.dataclass
@@ -96,6 +105,7 @@ class _Segment:
   work: StepWork
   slot_of: dict = dataclasses.field(default_factory=dict)
   missing: set = dataclasses.field(default_factory=set)
+  pack: ImagePack | None = None  # Qwen-VL encode-once: where each image's rows of E are
 
 
 class Trainer:
@@ -113,6 +123,9 @@ class Trainer:
     # The one device read of the version; from here it is counted on the host.
     self.version = int(jax.device_get(state.version)) if version is None else version
     self._batch_sh = None
+    if layout.qwen is not None and processes > 1:
+      raise ValueError(f"{processes} trainer processes: the Qwen-VL steps run in one trainer "
+                       "process for now (each process would pack only its consumers' images)")
     if isinstance(data, OnDemand):
       self.reader = PrefetchingReader(data.store, depth=data.depth, put=self._put, read=data.read,
                                       read_images=encode_once is None)
@@ -204,9 +217,27 @@ class Trainer:
 
   def _read_slots(self, seg: _Segment, read) -> jax.Array:
     """This trainer's image slots (its consumers' side by side), on the devices."""
+    if self.layout.qwen is not None:
+      return self._read_qwen_pack(seg, read)
     slots = np.concatenate([read_slot_images(read, seg.work.images, c, self.layout.image_shape,
                                              missing=seg.missing) for c in self.mine])
     return jax.make_array_from_process_local_data(self.encode_once.images_sharding, slots)
+
+  def _read_qwen_pack(self, seg: _Segment, read) -> PackedImages:
+    """Qwen-VL: this trainer's consumers' unique images, read once each, processed and
+    packed for the tower (multimodal/qwen_images.py); the pack's shape is fixed by the
+    plan's slots per consumer at the run's image grid, so the step does not recompile."""
+    lay, plan = self.layout, seg.work.images
+    images = {}
+    for c in self.mine:
+      images.update(read_owned_images(read, plan, c))
+    per_image = lay.qwen.merged(lay.image_grid)
+    unit = lay.rows_multiple // np.gcd(lay.rows_multiple, len(self.mine))
+    seg.pack, packed = lay.qwen.encode_once_images(
+        plan, images, self.mine, unit, plan.slots_per_consumer * per_image, seg.missing)
+    pv = jax.make_array_from_process_local_data(self.encode_once.images_sharding,
+                                                packed.pixel_values)
+    return PackedImages(pv, packed.grid)
 
   def _prepare(self, seg: _Segment, payload: Payload) -> dict:
     """A payload -> the step's static-shape host arrays (right-padded)."""
@@ -223,7 +254,16 @@ class Trainer:
     batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
     if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
       raise RuntimeError("loss mask disagrees with the response lengths")
-    if self.encode_once is not None:
+    if lay.qwen is not None:
+      rows = [m.image_ids for m in payload.metas] + [()] * (lay.rows - len(payload.metas))
+      if self.encode_once is not None:  # each image-pad token's row of the mini-batch's E
+        batch.update(image_fields(batch["tokens"], batch["attention_mask"], rows, seg.pack,
+                                  lay.qwen.model))
+      else:  # the naive step: every row's own copy of its image's pixel_values
+        batch.update(lay.qwen.naive_fields(
+            batch["tokens"], batch["attention_mask"],
+            [payload.images[r[0]] if r else None for r in rows], lay.image_grid, {}))
+    elif self.encode_once is not None:
       index = np.zeros(lay.rows, np.int32)  # padding rows: any slot, no loss
       index[:len(payload.metas)] = [seg.slot_of[m.id] for m in payload.metas]
       batch["image_index"] = index

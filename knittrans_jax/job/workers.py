@@ -30,6 +30,7 @@ class WorkerPool:
 
   def __init__(self, workdir: str, store: TrajectoryStore, store_url: str, *, local: int,
                worker_args: dict, control_address: str | None = None, store_in_workdir=False,
+               control_advertise: str | None = None, remote_timeout_s: float = 15.0,
                log: Callable[[str], None] = print):
     self.workdir, self.store, self.store_url = workdir, store, store_url
     self.args, self.log = worker_args, log
@@ -46,7 +47,8 @@ class WorkerPool:
       used = [int(u[6:]) for u in store.units() if u.startswith("worker") and u[6:].isdigit()]
       self.control = ControlServer(workdir, control_address, max([local - 1, *used]) + 1,
                                    dict(store_url=store_url, store_in_workdir=store_in_workdir,
-                                        **worker_args))
+                                        **worker_args),
+                                   timeout_s=remote_timeout_s, advertise=control_advertise)
       log(f"serving remote rollout workers at {self.control.address} "
           f"(scripts/rollout_worker.py --workdir {workdir})")
 
@@ -95,7 +97,7 @@ class WorkerPool:
         self._start(w)
     if self.control:
       for w in self.control.silent():
-        self.log(f"\nremote rollout worker {w} silent for {self.control.timeout_s:.0f} s; "
+        self.log(f"\nremote rollout worker {w} silent for {self.control.timeout_s:g} s; "
                  "re-dispatching what it held")
         self.control.forget(w)
         events += self._release(w)

@@ -292,13 +292,32 @@ def save(model: DecoderLM, config: DecoderConfig, path: str, dtype: str | None =
   index when sharded) that transformers loads. One tensor at a time is gathered to
   the host; only process 0 writes. Returns the files written."""
   dtype = dtype or config.param_dtype
+  return write_checkpoint(path, decoder_tensors(nnx.state(model, nnx.Param)),
+                          config_to_hf(config, dtype, **(extra_config or {})), dtype,
+                          max_shard_bytes)
+
+
+def decoder_tensors(params) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """{Hugging Face name: (fetch() -> the host tensor as stored, its stored shape)} of a
+  DecoderLM's parameters (an nnx.State)."""
+  out = {}
+  for p, v in nnx.to_flat_state(params):
+    name, tr = hf_name(p)
+    a = v.get_value() if hasattr(v, "get_value") else v
+    out[name] = ((lambda a=a, tr=tr: _host(a).T if tr else _host(a)),
+                 tuple(a.shape[::-1] if tr else a.shape))
+  return out
+
+
+def write_checkpoint(path: str, tensors: dict[str, tuple[Any, tuple[int, ...]]],
+                     hf_config: dict[str, Any], dtype: str,
+                     max_shard_bytes: int = 4 << 30) -> list[str]:
+  """Writes `tensors` ({name: (fetch, stored shape)}, e.g. decoder_tensors') as
+  model*.safetensors in `dtype`, with `hf_config` as config.json; every process
+  fetches (a multi-host gather), process 0 writes. Returns the files written."""
+  hf = hf_config
   np_dtype = np.dtype(jnp.dtype(dtype))
-  hf = config_to_hf(config, dtype, **(extra_config or {}))
-  params = nnx.state(model, nnx.Param)
-  flat = [(hf_name(p), v) for p, v in nnx.to_flat_state(params)]
-  arrays = {name: (v.get_value() if hasattr(v, "get_value") else v, tr) for (name, tr), v in flat}
-  specs = [(name, tuple(a.shape[::-1] if tr else a.shape), np_dtype)
-           for name, (a, tr) in sorted(arrays.items())]
+  specs = [(name, shape, np_dtype) for name, (_, shape) in sorted(tensors.items())]
   shards, cur, size = [], [], 0
   for spec in specs:
     nbytes = int(np.prod(spec[1])) * np_dtype.itemsize
@@ -310,9 +329,7 @@ def save(model: DecoderLM, config: DecoderConfig, path: str, dtype: str | None =
   shards.append(cur)
 
   def fetch(name):
-    a, tr = arrays[name]
-    h = _host(a)  # every process takes part in a multi-host gather
-    return h.T if tr else h
+    return tensors[name][0]()  # every process takes part in a multi-host gather
 
   writer = jax.process_index() == 0
   if writer:

@@ -29,7 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 # The decoder loader's directory reader (single file, sharded index) and helpers.
-from knittrans_jax.models.hf import CheckpointError, _fill, _Tensors, read_config
+from knittrans_jax.models.hf import CheckpointError, _fill, _host, _Tensors, read_config
 from knittrans_jax.models.layers import RMSNorm, dense, wide
 from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
 
@@ -252,20 +252,46 @@ class VisionAttention(nnx.Module):
     self.v = dense(rngs, d, d, ("embed", "heads"), dt, True, pdt)
     self.o = dense(rngs, d, d, ("heads", "embed"), dt, True, pdt)
 
-  def __call__(self, x, segments, cos, sin):
+  def __call__(self, x, segments: "Segments", cos, sin):
     N = x.shape[0]
     q = rotate(self.q(x).reshape(N, self.heads, self.head_dim), cos, sin)
     k = rotate(self.k(x).reshape(N, self.heads, self.head_dim), cos, sin)
     v = self.v(x).reshape(N, self.heads, self.head_dim)
     dt = wide(q.dtype)
-    # One [heads, N, N] score matrix over every patch of every image, masked to the
-    # block diagonal: simple and exact, but quadratic in the total patch count
-    # (transformers attends segment by segment, or uses flash-attention varlen).
-    scores = jnp.einsum("qhd,khd->hqk", q, k).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
-    allowed = segments[:, None] == segments[None, :]
-    scores = jnp.where(allowed[None], scores, jnp.finfo(dt).min)
-    weights = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    return self.o(jnp.einsum("hqk,khd->qhd", weights, v).reshape(N, -1))
+    # Segment by segment (transformers' loop over cu_seqlens, or flash-attention varlen):
+    # each segment's patches gathered into a row of [S, L], shorter ones padded and
+    # masked, so the cost is S * L^2, not the square of the whole pack's patches.
+    idx, valid = jnp.asarray(segments.index), jnp.asarray(segments.valid)
+    qs, ks, vs = q[idx], k[idx], v[idx]  # [S, L, heads, head_dim]
+    scores = jnp.einsum("sqhd,skhd->shqk", qs, ks).astype(dt) / jnp.sqrt(self.head_dim).astype(dt)
+    scores = jnp.where(valid[:, None, None, :], scores, jnp.finfo(dt).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(vs.dtype)
+    out = jnp.einsum("shqk,skhd->sqhd", weights, vs).reshape(-1, self.heads, self.head_dim)
+    # Segments are contiguous runs in patch order: the valid slots, row by row, are
+    # the patches 0..N-1 in order.
+    return self.o(out[segments.flat].reshape(N, -1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+  """Host-side gather plan of contiguous attention segments (frames or windows):
+  index [S, L] the patches of segment s (padded with 0), valid [S, L], and flat, the
+  positions of the valid slots in the flattened [S * L]."""
+  index: np.ndarray
+  valid: np.ndarray
+  flat: np.ndarray
+
+  @classmethod
+  def of(cls, ids: np.ndarray) -> "Segments":
+    ids = np.asarray(ids)
+    starts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]])
+    ends = np.r_[starts[1:], len(ids)]
+    if len(np.unique(ids)) != len(starts):
+      raise ValueError("attention segments must be contiguous runs of patches")
+    index = starts[:, None] + np.arange(int(np.max(ends - starts)))[None]
+    valid = index < ends[:, None]
+    return cls(np.where(valid, index, 0).astype(np.int32), valid,
+               np.flatnonzero(valid.reshape(-1)).astype(np.int32))
 
 
 class VisionMLP(nnx.Module):
@@ -350,7 +376,8 @@ class QwenVisionTower(nnx.Module):
       x = x.reshape(-1, u, cfg.width)[layout.order].reshape(-1, cfg.width)
     angles = jnp.asarray(rotary_angles(cfg, layout.positions))
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    frames, windows = jnp.asarray(layout.frames), jnp.asarray(layout.windows)
+    frames = Segments.of(layout.frames)
+    windows = Segments.of(layout.windows) if windowed else frames
     for i, block in enumerate(self.blocks):
       full = not windowed or i in cfg.full_attention_layers
       x = block(x, frames if full else windows, cos, sin)
@@ -465,6 +492,34 @@ def _convert(data: np.ndarray, how) -> np.ndarray:
     part = data[int(how[3]) * n:(int(how[3]) + 1) * n]
     return part.T if part.ndim == 2 else part
   return data
+
+
+def hf_tensors(params, config: QwenVisionConfig, prefix: str = "visual."
+               ) -> dict[str, tuple[Any, tuple[int, ...]]]:
+  """The tower's parameters (an nnx.State) as checkpoint tensors, the inverse of `load`:
+  {name: (fetch() -> the host tensor as stored, its stored shape)} (hf.write_checkpoint);
+  q, k and v go back into one fused qkv."""
+  parts: dict[str, dict] = {}
+  for p, v in nnx.to_flat_state(params):
+    name, how = hf_source(p)
+    parts.setdefault(prefix + name, {})[how] = v.get_value() if hasattr(v, "get_value") else v
+  out = {}
+  for name, got in parts.items():
+    if set(got) == {"qkv0", "qkv1", "qkv2"}:
+      qkv = [got[f"qkv{i}"] for i in range(3)]
+      out[name] = ((lambda qkv=qkv: np.concatenate([_host(a).T for a in qkv])),
+                   _stored_shape(config, tuple(qkv[0].shape), "qkv0"))
+      continue
+    ((how, a),) = got.items()
+    shape = _stored_shape(config, tuple(a.shape), how)
+    if how == "T":
+      fetch = lambda a=a: _host(a).T  # noqa: E731
+    elif how == "conv":  # [C*T*P*P, width] -> Conv3d [width, C, T, P, P]
+      fetch = lambda a=a, shape=shape: _host(a).T.reshape(shape)  # noqa: E731
+    else:
+      fetch = lambda a=a: _host(a)  # noqa: E731
+    out[name] = (fetch, shape)
+  return out
 
 
 def abstract_tower(config: QwenVisionConfig):

@@ -64,6 +64,9 @@ class QwenVLConfig:
 
 
 # -- config.json --------------------------------------------------------------------
+MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # config.json model_type of the two families
+
+
 def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
   """From a Qwen2-VL / Qwen2.5-VL config.json dict: transformers 5's (text_config
   nested, rope_parameters) or the released checkpoints' (text keys at the top,
@@ -105,6 +108,42 @@ def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
                         int(hf_config.get("image_token_id", 151655)))
   except ValueError as e:
     raise CheckpointError(f"config.json: {e}") from None
+
+
+ARCHITECTURES = {"qwen2_vl": "Qwen2VLForConditionalGeneration",
+                 "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+def config_to_hf(config: QwenVLConfig, dtype: str, **extra) -> dict[str, Any]:
+  """A config.json dict in transformers 5's layout (text_config with rope_parameters,
+  vision_config) that `config_from_hf` and transformers both read back. `extra`: the
+  keys this config does not hold (vision_start_token_id, ...; `save` copies them from
+  the source checkpoint when given)."""
+  t, v = config.text, config.vision
+  if t.family != "qwen2" or not t.qkv_bias or t.qk_norm or t.dim_per_head != t.width // t.heads:
+    raise CheckpointError(f"the text config (family {t.family!r}, qkv_bias {t.qkv_bias}, "
+                          f"qk_norm {t.qk_norm}, head_dim {t.dim_per_head}) is not a Qwen2-VL "
+                          "language model")
+  text = {"model_type": f"{v.family}_text", "vocab_size": t.vocab_size, "hidden_size": t.width,
+          "intermediate_size": t.mlp_width, "num_hidden_layers": t.depth,
+          "num_attention_heads": t.heads, "num_key_value_heads": t.num_kv_heads,
+          "hidden_act": "silu", "rms_norm_eps": t.norm_eps,
+          "max_position_embeddings": t.max_positions, "use_sliding_window": False,
+          "rope_parameters": {"rope_type": "default", "rope_theta": t.rope_theta,
+                              "mrope_section": list(t.mrope_section)}}
+  vision = {"model_type": f"{v.family}_vision" if v.family == "qwen2_vl" else v.family,
+            "depth": v.depth, "num_heads": v.heads, "patch_size": v.patch_size,
+            "temporal_patch_size": v.temporal_patch_size, "spatial_merge_size": v.merge,
+            "in_channels": v.channels, "hidden_act": v.act}
+  if v.family == "qwen2_vl":
+    ratio = v.mlp_width // v.width if v.mlp_width % v.width == 0 else v.mlp_width / v.width
+    vision.update(embed_dim=v.width, hidden_size=v.out_width, mlp_ratio=ratio)  # int if whole
+  else:
+    vision.update(hidden_size=v.width, intermediate_size=v.mlp_width, out_hidden_size=v.out_width,
+                  window_size=v.window_size, fullatt_block_indexes=list(v.full_attention_layers))
+  return {"architectures": [ARCHITECTURES[v.family]], "model_type": v.family, "dtype": dtype,
+          "image_token_id": config.image_token_id, "tie_word_embeddings": t.tie_embeddings,
+          "text_config": text, "vision_config": vision, **extra}
 
 
 # -- M-RoPE positions (host) ------------------------------------------------------------
@@ -294,3 +333,25 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   graphdef, _ = nnx.split(abstract_model(config))
   state = nnx.State({"visual": nnx.state(tower), "decoder": nnx.state(decoder)})
   return nnx.merge(graphdef, state), config
+
+
+def save(model: QwenVL, path: str, dtype: str | None = None, *, like: str | None = None,
+         max_shard_bytes: int = 4 << 30) -> list[str]:
+  """Writes `model` as a Qwen2-VL / Qwen2.5-VL directory transformers loads
+  (config.json, model*.safetensors: `model.*` and `lm_head.weight` as hf.save writes
+  a decoder's, `visual.*` with q, k, v fused back into qkv). `like`: a checkpoint
+  whose vision start / end and video token ids (and other keys this config lacks) are
+  copied into config.json. Returns the files written."""
+  config = model.config
+  dtype = dtype or config.text.param_dtype
+  extra = {}
+  if like is not None:
+    src = read_config(like)
+    extra = {k: src[k] for k in ("vision_start_token_id", "vision_end_token_id",
+                                 "video_token_id", "bos_token_id", "eos_token_id")
+             if k in src}
+  params = nnx.state(model, nnx.Param)
+  tensors = {**hf.decoder_tensors(params["decoder"]),
+             **qv.hf_tensors(params["visual"], config.vision)}
+  return hf.write_checkpoint(path, tensors, config_to_hf(config, dtype, **extra), dtype,
+                             max_shard_bytes)

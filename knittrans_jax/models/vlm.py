@@ -47,6 +47,12 @@ def vlm_forward(model, batch):
   return model(batch["images"], batch["tokens"], batch["attention_mask"])
 
 
-def make_model(lm: DecoderConfig, vit: ViTConfig | None, rngs: nnx.Rngs) -> nnx.Module:
-  """The policy: a VLM when there is a vision encoder config, else the text decoder."""
-  return VLM(vit, lm, rngs) if vit is not None else DecoderLM(lm, rngs)
+def make_model(lm: DecoderConfig, vit, rngs: nnx.Rngs) -> nnx.Module:
+  """The policy: the text decoder without a vision config; the VLM above with a
+  ViTConfig; otherwise the vision suite's own model (`vit.make_model`: a Qwen-VL
+  checkpoint's, rollout/qwen_vision_tasks.py, whose config holds the decoder's)."""
+  if vit is None:
+    return DecoderLM(lm, rngs)
+  if isinstance(vit, ViTConfig):
+    return VLM(vit, lm, rngs)
+  return vit.make_model(rngs)

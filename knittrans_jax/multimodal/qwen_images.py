@@ -22,9 +22,14 @@ Host side (numpy, pure Python over metadata):
               `embed_index` [B, T] (the row of E each image-pad token takes; 0 on
               other tokens, which never read it). A run of image-pad tokens that is
               not its image's size is an error naming both counts.
+  QwenImageInputs  Stored uint8 images -> pixel_values at the consumer (why the store
+              keeps the image: its docstring); the trainer's encode-once pack of its
+              consumers' images and the naive step's per-row fields.
+  pack_images   One chunk of unique images, no padding (the rollout sampler's call).
 Traced (QwenVLImages, the ImagePath): E = the tower on the packed images; a
 micro-batch's logits are QwenVL's with image_embeds = E[embed_index], aligned with
 the tokens, whose VJP scatter-adds each token's cotangent into its row of dE.
+naive_qwen_forward is the baseline's forward: the tower on every row's own image.
 
 The tower's attention pattern depends on the grid, so the encoder compiles once per
 distinct packed grid (images of new sizes, or new paddings, recompile); the backbone
@@ -39,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from knittrans_jax.models.qwen_image_processor import QwenImageProcessorConfig, preprocess
 from knittrans_jax.models.qwen_vl import QwenVLConfig, mrope_positions
 from knittrans_jax.multimodal.encode_once import ImagePath
 from knittrans_jax.multimodal.image_plan import ImagePlan, ImagePlanError
@@ -102,16 +108,18 @@ class ImagePack:
 
 
 def plan_pack(plan: ImagePlan, grids: Mapping[str, Sequence[int]], merge: int,
-              unit_multiple: int = 1) -> ImagePack:
+              unit_multiple: int = 1, min_rows: int = 0,
+              consumers: Sequence[int] | None = None) -> ImagePack:
   """Packs plan_images' unique images consumer by consumer (see the module doc).
   `grids` maps an image id to its (t, h, w) in patches; each consumer's chunk is
-  padded to the same number of merged rows, a multiple of `unit_multiple` (the batch
-  shards per consumer)."""
+  padded to the same number of merged rows, at least `min_rows` (one shape for every
+  mini-batch: no recompiles) and a multiple of `unit_multiple` (the batch shards per
+  consumer). `consumers`: pack only these consumers' images (a trainer of some
+  consumers, rows numbered from its first); default all."""
   if unit_multiple < 1 or merge < 1:
     raise ImagePlanError(f"unit_multiple = {unit_multiple} and merge = {merge} must be >= 1")
-  C = len(plan.owned)
   chunks = []
-  for c in range(C):
+  for c in (range(len(plan.owned)) if consumers is None else consumers):
     owned = [i for i in plan.consumer_slots(c) if i is not None]
     chunk = []
     for iid in owned:
@@ -124,7 +132,7 @@ def plan_pack(plan: ImagePlan, grids: Mapping[str, Sequence[int]], merge: int,
       chunk.append((iid, (t, h, w)))
     chunks.append(chunk)
   used = [sum(t * h * w // merge ** 2 for _, (t, h, w) in ch) for ch in chunks]
-  per = max(-(-max(max(used), 1) // unit_multiple) * unit_multiple, 1)
+  per = max(-(-max(max(used), min_rows, 1) // unit_multiple) * unit_multiple, 1)
   ids, grid, rows, row = [], [], [], 0
   for chunk, n in zip(chunks, used):
     if per > n:  # one padding image of (per - n) merged rows: 1 x merge x (per - n) merges
@@ -141,6 +149,14 @@ def image_fields(tokens, attention_mask, row_images: Sequence[Sequence[str]], pa
                  config: QwenVLConfig) -> dict[str, np.ndarray]:
   """`positions` int32 [B, 3, T] and `embed_index` int32 [B, T] for one micro-batch
   (module doc). Row b's k-th run of image-pad tokens is the image row_images[b][k]."""
+  positions, index, _ = image_positions(tokens, attention_mask, row_images, pack, config)
+  return {"positions": np.ascontiguousarray(positions.transpose(1, 0, 2)), "embed_index": index}
+
+
+def image_positions(tokens, attention_mask, row_images: Sequence[Sequence[str]],
+                    pack: ImagePack, config: QwenVLConfig):
+  """(positions [3, B, T], embed_index [B, T], rope_delta [B]), as image_fields (which
+  gives the first two rows first) and the sampler's prefill (which needs all three)."""
   tokens = np.asarray(tokens)
   mask = np.asarray(attention_mask).astype(bool)
   B, T = tokens.shape
@@ -166,9 +182,107 @@ def image_fields(tokens, attention_mask, row_images: Sequence[Sequence[str]], pa
                          f"of image-pad tokens at {i} has {j - i}")
       index[b, i:j] = np.arange(start, start + merged)
       grid.append(pack.grid[pack.ids.index(iid)])
-  positions, _ = mrope_positions(tokens, np.asarray(grid, np.int64).reshape(-1, 3) if grid
-                                 else None, config, mask)
-  return {"positions": np.ascontiguousarray(positions.transpose(1, 0, 2)), "embed_index": index}
+  positions, delta = mrope_positions(tokens, np.asarray(grid, np.int64).reshape(-1, 3) if grid
+                                     else None, config, mask)
+  return positions, index, delta
+
+
+def pack_images(grids: Mapping[str, Sequence[int]], merge: int) -> ImagePack:
+  """All of `grids`' images in one chunk, in order, without padding (the sampler's
+  call: one device, each unique image once)."""
+  ids, grid, rows, row = [], [], [], 0
+  for iid, g in grids.items():
+    ids.append(iid)
+    grid.append(tuple(int(v) for v in g))
+    rows.append(row)
+    row += grid[-1][0] * grid[-1][1] * grid[-1][2] // merge ** 2
+  return ImagePack(tuple(ids), tuple(grid), tuple(rows), merge, row)
+
+
+@dataclasses.dataclass(frozen=True)
+class QwenImageInputs:
+  """Stored images -> the model's inputs, at the consumer (and the rollout worker).
+
+  The store keeps each image as it was made (uint8 [H, W, 3], one byte a pixel
+  value), not pixel_values: those are float32 and repeat every patch over the
+  temporal_patch_size frames, 8x the bytes of a still image, and the processor is
+  deterministic numpy, so both ends derive the same pixel_values from the image."""
+  model: QwenVLConfig
+  processor: QwenImageProcessorConfig
+
+  def pixels(self, image: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """(pixel_values [t*h*w, C*T*P*P], its grid (t, h, w)) of one stored image."""
+    pixel_values, grid = preprocess([image], self.processor)
+    return pixel_values, tuple(int(v) for v in grid[0])
+
+  def merged(self, grid) -> int:
+    t, h, w = grid
+    return t * h * w // self.model.vision.merge ** 2
+
+  def encode_once_images(self, plan: ImagePlan, images: Mapping[str, np.ndarray],
+                         consumers: Sequence[int], unit_multiple: int, min_rows: int,
+                         missing: set) -> tuple[ImagePack, PackedImages]:
+    """The pack of `consumers`' images (read: `images`, by id) and its tower input. An
+    image in `missing` (not readable) takes its place as zeros of the grid `min_rows`
+    allows one image; its rows do not train."""
+    pixels, grids = {}, {}
+    for c in consumers:
+      for iid in plan.consumer_slots(c):
+        if iid is None:
+          continue
+        if iid in images:
+          pixels[iid], grids[iid] = self.pixels(images[iid])
+        else:
+          missing.add(iid)
+    for iid in missing:  # a stand-in of some present image's size (none present: 1 merge)
+      m = self.model.vision.merge
+      grids.setdefault(iid, next(iter(grids.values()), (1, m, m)))
+      t, h, w = grids[iid]
+      pixels.setdefault(iid, np.zeros((t * h * w, self.model.vision.patch_dim), np.float32))
+    pack = plan_pack(plan, grids, self.model.vision.merge, unit_multiple, min_rows, consumers)
+    return pack, pack.images(pixels, np.float32) if pixels else PackedImages(
+        np.zeros((pack.num_rows * pack.merge ** 2, self.model.vision.patch_dim), np.float32),
+        pack.grid)
+
+  def naive_fields(self, tokens, attention_mask, row_images: Sequence[np.ndarray | None],
+                   grid: tuple[int, int, int], cache: dict) -> dict[str, np.ndarray]:
+    """The naive step's image fields: every row's own pixel_values [B, patches, dim]
+    (zeros for a row without an image), M-RoPE `positions` [B, 3, T] and `embed_index`
+    [B, T] into the row's own merged patches. `row_images`: each row's image (None:
+    none), each of `grid` (the step's static one); `cache` keeps pixel_values by
+    id(image) within one payload (a group's rows share its image)."""
+    pv = np.zeros((len(row_images), int(np.prod(grid)), self.model.vision.patch_dim), np.float32)
+    for b, im in enumerate(row_images):
+      if im is None:
+        continue
+      pixel_values, g = cache.setdefault(id(im), self.pixels(im))
+      if g != tuple(grid):
+        raise ValueError(f"row {b}: image of shape {im.shape} has grid {g}; the naive Qwen-VL "
+                         f"step stacks one image per row, all of grid {tuple(grid)}")
+      pv[b] = pixel_values
+    own = pack_images({"row": grid}, self.model.vision.merge)
+    positions, index, _ = image_positions(
+        tokens, attention_mask, [("row",) if im is not None else () for im in row_images], own,
+        self.model)
+    return {"pixel_values": pv, "positions": np.ascontiguousarray(positions.transpose(1, 0, 2)),
+            "embed_index": index}
+
+
+def naive_qwen_forward(grid: tuple[int, int, int], calls=None):
+  """The naive step's forward: the tower on every row's own image (batch
+  'pixel_values' [B, patches, dim], each of `grid`), then the decoder. The tower runs
+  row by row (vmap), as a system without deduplication runs it: attention within
+  each image, no pack across rows."""
+  grid = tuple(int(v) for v in grid)
+
+  def forward(model, batch):
+    embeds = jax.vmap(lambda x: model.encode(x, (grid,)))(batch["pixel_values"])
+    if calls is not None:
+      embeds = calls.tag(embeds, embeds.shape[0])
+    rows = jnp.take_along_axis(embeds, batch["embed_index"][..., None], axis=1)  # [B, T, width]
+    return model(batch["tokens"], batch["attention_mask"],
+                 positions=jnp.moveaxis(batch["positions"], 1, 0), image_embeds=rows)
+  return forward
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
-"""One consumer's image slots of a mini-batch as a [S, H, W, C] array: each owned
-image read once, from the storage unit that holds it; padding slots are zero."""
+"""One consumer's image slots of a mini-batch as a [S, H, W, C] array (or, for
+images of any size, by id): each owned image read once, from the storage unit that
+holds it; padding slots are zero."""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -39,9 +40,16 @@ def read_slot_images(read: Callable[[Sequence[TrajMeta], set], Payload], plan: I
   of the rows that locate them; no other image). `read(metas, skip_images)` is a
   store's read, or a QuarantiningReader's: then an image of a damaged unit is not
   returned and, with `missing` given, its slot stays zero (see slots_from_images)."""
+  return slots_from_images(plan, consumer, read_owned_images(read, plan, consumer), image_shape,
+                           dtype, missing)
+
+
+def read_owned_images(read: Callable[[Sequence[TrajMeta], set], Payload], plan: ImagePlan,
+                      consumer: int) -> dict:
+  """{image id: array} of the images `consumer` owns, in one batched read (as
+  read_slot_images; an image of a quarantined unit is left out)."""
   owned = plan.owned[consumer]
-  images = {}
-  if owned:
-    others = set(plan.source) - set(owned)
-    images = read([plan.source[i] for i in owned], others).images
-  return slots_from_images(plan, consumer, images, image_shape, dtype, missing)
+  if not owned:
+    return {}
+  others = set(plan.source) - set(owned)
+  return read([plan.source[i] for i in owned], others).images

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
+from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 from knittrans_jax.storage import Image
 from knittrans_jax.types import Trajectory
@@ -84,29 +85,41 @@ class RolledGroup:
 
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
                    n: int, sampler: SamplerConfig, suite: str = "text",
-                   image_size: int = 32, math: MathSource | None = None) -> list[RolledGroup]:
+                   image_size: int = 32, math: MathSource | None = None,
+                   qwen: QwenVisionTasks | None = None) -> list[RolledGroup]:
   """Generates n responses for each (group id, source) in one sampler call.
+
+  `qwen`: the vision suite on a Qwen-VL checkpoint (rollout/qwen_vision_tasks.py): its
+  prompts carry the image's image-pad tokens and the store keeps the uint8 image.
 
   Response i of group g samples with key (seed, g, i) (`group_keys`), so a group
   comes out the same however groups are batched into calls: a worker's few, the
   colocated reference's many (up to float reassociation in batched matmuls).
   """
+  if qwen is not None:
+    if suite != "vision":
+      raise ValueError(f"a Qwen-VL vision suite with task suite {suite!r}; it runs 'vision'")
+    image_size = qwen.image_size
   task_list = [task_for(seed, gid, source, suite, image_size, math) for gid, source in requests]
-  prompts = [t.prompt for t in task_list for _ in range(n)]
+  prompt_of = qwen.prompt if qwen is not None else (lambda t: t.prompt)
+  prompts = [prompt_of(t) for t in task_list for _ in range(n)]
   rng = group_keys(seed, [gid for gid, _ in requests], n)
   score = {"vision": vision_tasks.score, "text": tasks.score}.get(suite) or math.suite().score
-  extra = {}
+  stored, extra = [], {}
   if suite == "vision":
-    extra = dict(images=np.stack([t.image for t in task_list]),
-                 image_index=np.repeat(np.arange(len(task_list)), n))
-  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=suite_prompt_len(suite, math),
-                  **extra)
+    stored = [qwen.stored_image(t) if qwen is not None else t.image for t in task_list]
+    extra = dict(images=stored if qwen is not None else np.stack(stored),
+                 image_index=np.repeat(np.arange(len(task_list)), n),
+                 qwen=qwen.inputs if qwen is not None else None,
+                 banned=qwen.special_ids if qwen is not None else ())
+  prompt_len = qwen.prompt_len if qwen is not None else suite_prompt_len(suite, math)
+  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=prompt_len, **extra)
   groups = []
   for k, ((gid, source), task) in enumerate(zip(requests, task_list)):
-    images = [Image.of(task.image)] if suite == "vision" else []  # the only hash of it
+    images = [Image.of(stored[k])] if suite == "vision" else []  # the only hash of it
     ids = tuple(im.id for im in images)
     groups.append(RolledGroup([
-        Trajectory(prompt_tokens=task.prompt, response_tokens=resp, logprobs=lp,
+        Trajectory(prompt_tokens=prompt_of(task), response_tokens=resp, logprobs=lp,
                    loss_mask=np.ones(resp.size, bool), reward=score(task, resp), source=source,
                    group_id=gid, index_in_group=i, versions=(version,), image_ids=ids)
         for i, (resp, lp) in enumerate(outs[k * n:(k + 1) * n])], images))

@@ -36,7 +36,10 @@ class ControlServer:
   """The controller's side. `requests[w]` and `reports` are plain local queues here."""
 
   def __init__(self, workdir: str, address: str, first_id: int, worker_args: dict,
-               timeout_s: float = 15.0):
+               timeout_s: float = 15.0, advertise: str | None = None):
+    """`address` is where the server binds (HOST:PORT); `advertise` the host name or
+    address written to control.json for workers to dial (default: the bound host,
+    or this machine's hostname when bound to all interfaces)."""
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
       raise ValueError(f"JobConfig.control_address = {address!r}: use HOST:PORT (port 0: any free)")
@@ -66,7 +69,7 @@ class ControlServer:
                                     name="control-server")
     self._thread.start()
     bound = self._server.address[1]
-    advertised = socket.gethostname() if host in ("0.0.0.0", "") else host
+    advertised = advertise or (socket.gethostname() if host in ("0.0.0.0", "") else host)
     self.path = os.path.join(workdir, CONTROL_FILE)
     tmp = self.path + ".tmp"
     # Readable by this user only: the key lets a client run code in the controller
@@ -109,22 +112,31 @@ class ControlServer:
       pass
 
 
-def connect(workdir: str, timeout_s: float = 300.0):
-  """(worker id, rollout settings, requests, reports, stop) from a remote worker."""
+def connect(workdir: str, timeout_s: float = 300.0, name: str | None = None):
+  """(worker id, rollout settings, requests, reports, stop) from a remote worker.
+
+  Waits up to `timeout_s` for control.json and for its server to answer: a job that
+  is restarting (`--resume`) leaves the previous run's file until it serves again.
+  `name` is how the controller's log calls this worker (default: the hostname)."""
   path = os.path.join(workdir, CONTROL_FILE)
   deadline = time.monotonic() + timeout_s
-  while not os.path.exists(path):
-    if time.monotonic() > deadline:
-      raise TimeoutError(f"no {path} after {timeout_s:.0f} s: is the job running with "
-                         "JobConfig.control_address set, and is the work dir shared?")
-    time.sleep(0.5)
-  with open(path) as f:
-    info = json.load(f)
   manager = type("ControlClient", (_Manager,), {})
-  for name in ("join", "requests", "reports"):
-    manager.register(name)
+  for method in ("join", "requests", "reports"):
+    manager.register(method)
   manager.register("stop", proxytype=EventProxy)
-  m = manager(address=(info["host"], info["port"]), authkey=bytes.fromhex(info["authkey"]))
-  m.connect()
-  w, args = m.join(socket.gethostname())._getvalue()
+  while True:
+    try:
+      with open(path) as f:
+        info = json.load(f)
+      m = manager(address=(info["host"], info["port"]), authkey=bytes.fromhex(info["authkey"]))
+      m.connect()
+      break
+    except OSError as e:  # no file yet, or nothing serving at its address (yet)
+      if time.monotonic() > deadline:
+        why = ("no such file" if isinstance(e, FileNotFoundError)
+               else f"{info['host']}:{info['port']} did not answer ({e.strerror or e})")
+        raise TimeoutError(f"{path}: {why} after {timeout_s:.0f} s: is the job running with "
+                           "JobConfig.control_address set, and is the work dir shared?") from e
+      time.sleep(0.5)
+  w, args = m.join(name or socket.gethostname())._getvalue()
   return w, args, m.requests(w), m.reports(), m.stop()

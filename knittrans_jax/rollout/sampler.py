@@ -28,6 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from knittrans_jax.multimodal.qwen_images import QwenImageInputs, image_positions, pack_images
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
@@ -54,14 +56,19 @@ def _top_p_filter(logits, top_p):
   return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config"))
+@partial(jax.jit, static_argnames=("graphdef", "config", "banned"))
 def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, images=None,
-              image_index=None):
+              image_index=None, mrope=None, banned: tuple[int, ...] = ()):
   model = nnx.merge(graphdef, params)
   B, P = prompts.shape
   N = config.max_new_tokens
-  if images is None:
-    Q = 0
+  Q = 0
+  if mrope is not None:  # Qwen-VL: each unique image through the tower once, in one pack
+    embeds = model.encode(mrope["images"].pixel_values, mrope["images"].grid)
+    logits, caches = model.prefill(
+        prompts, valid, P + N, positions=mrope["positions"], rope_delta=mrope["rope_delta"],
+        image_embeds=jnp.take(embeds, mrope["embed_index"], axis=0))  # each pad token's row
+  elif images is None:
     logits, caches = model.prefill(prompts, valid, P + N)
   else:  # a VLM: the image embeddings take cache slots 0..Q-1
     Q = model.encoder.config.num_tokens
@@ -82,9 +89,11 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     keys = jax.vmap(jax.random.split)(rng)  # [B, 2]: each row's own stream
     rng, sub = keys[:, 0], keys[:, 1]
     scaled = logits / config.temperature
+    if banned:  # never sampled: a response holds no image placeholders
+      scaled = scaled.at[:, jnp.asarray(banned)].set(-jnp.inf)
     filtered = _top_p_filter(scaled, config.top_p) if config.top_p < 1.0 else scaled
     if config.greedy:
-      token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+      token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
     else:
       token = jax.vmap(jax.random.categorical)(sub, filtered).astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
@@ -119,15 +128,31 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              config: SamplerConfig, prompt_len: int | None = None,
-             images: np.ndarray | None = None, image_index: np.ndarray | None = None
+             images: np.ndarray | None = None, image_index: np.ndarray | None = None,
+             qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = ()
              ) -> list[tuple[np.ndarray, np.ndarray]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
 
-  `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images` [U, H, W, C] are encoded once each and row i sees
-  images[image_index[i]]."""
+  `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
+  [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
+  Qwen-VL (`qwen`, the stored images' processor) `images` are the U stored images
+  (any sizes) and row i's prompt holds image_index[i]'s run of image-pad tokens; the
+  M-RoPE positions and each row's rope delta come from the host (qwen_vl.prefill).
+  `banned` token ids are never sampled (their probability is 0 in the behaviour
+  log-probs too, like tokens outside the top-p nucleus): the vision special tokens,
+  which in a response would read as an image with no pixels."""
   tokens, valid = left_pad(prompts, length=prompt_len)
   extra = {}
-  if images is not None:
+  if qwen is not None:
+    index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
+    done = [qwen.pixels(im) for im in images]
+    pack = pack_images({str(u): g for u, (_, g) in enumerate(done)}, qwen.model.vision.merge)
+    positions, embed_index, delta = image_positions(
+        tokens, valid, [(str(int(u)),) for u in index], pack, qwen.model)
+    extra = dict(mrope=dict(
+        images=pack.images({str(u): pv for u, (pv, _) in enumerate(done)}, np.float32),
+        positions=positions, rope_delta=delta, embed_index=embed_index))
+  elif images is not None:
     index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
     extra = dict(images=jnp.asarray(images), image_index=jnp.asarray(index, jnp.int32))
   if rng.shape == ():
@@ -135,6 +160,7 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
   if rng.shape != (len(prompts),):
     raise ValueError(f"rng: one key or one per prompt ({len(prompts)}), got shape {rng.shape}")
   out_t, out_lp, lengths = jax.device_get(
-      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config, **extra))
+      _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config,
+                banned=tuple(sorted(set(int(b) for b in banned))), **extra))
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
           for i in range(len(prompts))]

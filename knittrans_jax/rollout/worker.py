@@ -20,7 +20,7 @@ import traceback
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
                 max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
-                math=None) -> None:
+                math=None, host: str | None = None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = ""  # one device per worker
@@ -28,6 +28,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
 
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.groups import rollout_groups
+  from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
 
@@ -36,7 +37,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       model = nnx.eval_shape(lambda: make_model(model_config, vit_config, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
-    writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}")
+    writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
     params, version = None, -1
     compiled: set[int] = set()  # groups-per-call sizes the sampler has compiled for
     parent = multiprocessing.parent_process()
@@ -67,7 +68,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       image_size = vit_config.image_size if vit_config is not None else 0
       t0 = time.perf_counter()
       groups = rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
-                              suite, image_size, math)
+                              suite, image_size, math,
+                              qwen=vit_config if isinstance(vit_config, QwenVisionTasks) else None)
       # A call of a new size compiled the sampler first: its time is not the group's.
       seconds = time.perf_counter() - t0 if len(batch) in compiled else None
       compiled.add(len(batch))

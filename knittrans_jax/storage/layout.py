@@ -22,6 +22,7 @@ reader that reads it first sees only whole, committed rows.
 """
 from __future__ import annotations
 
+import os
 import re
 
 import numpy as np
@@ -109,6 +110,46 @@ def normalize_root(url: str) -> str:
   return f"{scheme}://{path}/"
 
 
+def kvstore(url: str) -> str | dict:
+  """The TensorStore kvstore spec of a store URL: the URL itself, except for s3://.
+
+  TensorStore's s3 driver takes its endpoint and region only from the spec, so an
+  s3:// URL becomes a spec here, from the environment variables the AWS tools read:
+  AWS_ENDPOINT_URL_S3 or AWS_ENDPOINT_URL (an S3-compatible server: MinIO, moto),
+  AWS_REGION or AWS_DEFAULT_REGION, AWS_MAX_ATTEMPTS (retries of a failed request).
+  Every process that gets the URL and inherits the environment reaches the same
+  server. Credentials come from the environment when AWS_ACCESS_KEY_ID is set, else
+  from TensorStore's default AWS chain (~/.aws, instance metadata).
+  """
+  scheme, _, rest = url.partition("://")
+  if scheme != "s3":
+    return url
+  bucket, _, path = rest.partition("/")
+  if not bucket:
+    raise ValueError(f"store URL {url!r}: an s3 URL needs a bucket, e.g. s3://bucket/path")
+  spec = {"driver": "s3", "bucket": bucket, "path": path}
+  env = os.environ
+  endpoint = env.get("AWS_ENDPOINT_URL_S3") or env.get("AWS_ENDPOINT_URL")
+  region = env.get("AWS_REGION") or env.get("AWS_DEFAULT_REGION")
+  if endpoint:
+    spec["endpoint"] = endpoint
+    region = region or "us-east-1"  # signatures need one; S3-compatible servers ignore it
+  if region:
+    spec["aws_region"] = region
+  if env.get("AWS_ACCESS_KEY_ID"):
+    spec["aws_credentials"] = {"type": "environment"}
+  if env.get("AWS_MAX_ATTEMPTS"):
+    attempts = env["AWS_MAX_ATTEMPTS"]
+    if not attempts.isdigit() or int(attempts) < 1:
+      raise ValueError(f"AWS_MAX_ATTEMPTS={attempts!r} must be a positive integer")
+    spec["s3_request_retries"] = {"max_retries": int(attempts)}
+  return spec
+
+
+def open_kvstore(url: str, context: ts.Context) -> ts.KvStore:
+  return ts.KvStore.open(kvstore(url), context=context).result()
+
+
 def _codecs(checksum: bool) -> list[dict]:
   codecs = [{"name": "bytes", "configuration": {"endian": "little"}}]
   if checksum:
@@ -120,7 +161,7 @@ def array_spec(url: str, dtype: str, shape: list[int], chunk: list[int], fill,
                checksum: bool) -> dict:
   return {
       "driver": "zarr3",
-      "kvstore": url,
+      "kvstore": kvstore(url),
       "metadata": {
           "shape": shape,
           "data_type": dtype,

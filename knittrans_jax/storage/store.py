@@ -33,14 +33,14 @@ class TrajectoryStore:
   def __init__(self, url: str, schema: StoreSchema):
     self.url = L.normalize_root(url)
     self.schema = schema
-    self._kv = ts.KvStore.open(self.url, context=L.context(schema.durable)).result()
+    self._kv = L.open_kvstore(self.url, L.context(schema.durable))
     self._readers: dict[str, UnitReader] = {}
 
   @classmethod
   def create(cls, url: str, schema: StoreSchema) -> "TrajectoryStore":
     """Creates a store, or opens an existing one whose schema equals `schema`."""
     url = L.normalize_root(url)
-    kv = ts.KvStore.open(url, context=L.base_context()).result()
+    kv = L.open_kvstore(url, L.base_context())
     found = kv.read(_SCHEMA_KEY).result()
     if found.state == "value":
       existing = StoreSchema.from_json(found.value.decode())
@@ -50,10 +50,15 @@ class TrajectoryStore:
       kv.write(_SCHEMA_KEY, schema.to_json()).result()
     return cls(url, schema)
 
+  @staticmethod
+  def exists(url: str) -> bool:
+    kv = L.open_kvstore(L.normalize_root(url), L.base_context())
+    return kv.read(_SCHEMA_KEY).result().state == "value"
+
   @classmethod
   def open(cls, url: str) -> "TrajectoryStore":
     url = L.normalize_root(url)
-    kv = ts.KvStore.open(url, context=L.base_context()).result()
+    kv = L.open_kvstore(url, L.base_context())
     found = kv.read(_SCHEMA_KEY).result()
     if found.state != "value":
       raise StoreError(f"no trajectory store at {url} ({_SCHEMA_KEY} missing)")

@@ -16,7 +16,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit, write_commit
@@ -48,8 +47,13 @@ class UnitWriter:
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
     self.host = host or socket.gethostname()
     info = {"unit": unit, "host": self.host, "pid": os.getpid(), "opened_unix": time.time()}
-    kv = ts.KvStore.open(self.url, context=L.context(schema.durable)).result()
+    kv = L.open_kvstore(self.url, L.context(schema.durable))
     kv.write("unit.json", json.dumps(info)).result()
+    self._load_committed()
+    self._unsure = False  # a commit marker write failed: did it land? (see _write)
+
+  def _load_committed(self) -> None:
+    """The image index and the committed chunk tails, from the commit marker."""
     c = self._commit
     self._chunks = WholeChunkAppender(self._arrays, {
         "tokens": c.tokens, "logprobs": c.tokens, "loss_mask": c.tokens, "rows": c.rows,
@@ -59,6 +63,17 @@ class UnitWriter:
     if self._commit.images:
       hashes = self._arrays["images/hash"][: self._commit.images].read().result()
       self._image_index = {hash_to_hex(h): i for i, h in enumerate(hashes)}
+
+  def _resync(self) -> None:
+    """After an append whose outcome is unknown: continue from what the store holds."""
+    if self._unsure:
+      try:
+        self._commit = read_commit(self.unit, self._arrays["commit"])
+        self._load_committed()
+      except Exception as e:
+        raise StoreError(f"unit '{self.unit}': cannot re-read the commit marker after a failed "
+                         f"append: {e}") from e
+      self._unsure = False
 
   @property
   def num_rows(self) -> int:
@@ -81,6 +96,7 @@ class UnitWriter:
     image of the unit or of `images`. Without, every image reference of every
     trajectory gets its own copy, so its images must come in this call.
     """
+    self._resync()
     ids, pool = self._resolve_images(images)
     dedup = self.schema.dedup_images
     packed = None
@@ -100,6 +116,7 @@ class UnitWriter:
       raise StoreError(f"unit '{self.unit}': put_images needs StoreSchema.dedup_images=True; "
                        "without it each trajectory stores its own copy, so pass images to "
                        "append(..., images=...) with the trajectories that use them")
+    self._resync()
     ids, pool = self._resolve_images(images)
     self._write(None, [(iid, im) for iid, im in pool.items() if iid not in self._image_index])
     return ids
@@ -191,15 +208,28 @@ class UnitWriter:
         f.result()
       except Exception as e:
         errors.append(e)
+    if errors:
+      raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
+                       f"(unit still at {c.rows} rows): {errors[0]}") from errors[0]
+    new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
     try:
-      if errors:
-        raise errors[0]
-      new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
       write_commit(self._arrays["commit"], new)  # last: this makes the rows visible
     except Exception as e:
-      self._chunks.discard()
-      raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
-                       f"(unit still at {c.rows} rows): {e}") from e
+      # On a remote store the marker may have landed with only its answer lost, or
+      # land later from a request still in flight: ask now, and ask again before the
+      # next append (which must continue from what readers may have seen).
+      self._unsure = True
+      try:
+        landed = read_commit(self.unit, self._arrays["commit"]) == new
+      except Exception:
+        raise StoreError(f"append to unit '{self.unit}' failed writing its commit marker and the "
+                         f"marker cannot be read back: all of the append or none of it was "
+                         f"committed (the unit was at {c.rows} rows; the writer re-reads the "
+                         f"marker before its next append): {e}") from e
+      if not landed:
+        raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
+                         f"(unit still at {c.rows} rows): {e}") from e
+      self._unsure = False  # it holds this append's marker: the append succeeded
     self._chunks.commit()
     self._commit, self._image_index = new, index
     return metas
