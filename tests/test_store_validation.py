@@ -21,6 +21,9 @@ BAD = {
     "float tokens": ("response_tokens", dict(response_tokens=np.ones(5, np.float32))),
     "2-D tokens": ("prompt_tokens", dict(prompt_tokens=np.ones((2, 2), np.int32))),
     "negative token": ("prompt_tokens", dict(prompt_tokens=np.array([1, -3]))),
+    "negative int32 token": ("response_tokens",
+                             dict(response_tokens=np.array([10, 11, -1, 12, 13], np.int32))),
+    "token beyond int32": ("response_tokens", dict(response_tokens=np.arange(5) + 2**31)),
     "empty response": ("response_tokens", dict(response_tokens=np.zeros(0, np.int32),
                                                logprobs=np.zeros(0), loss_mask=np.zeros(0, bool))),
     "too long": ("response_tokens", dict(response_tokens=np.ones(33, np.int32),
@@ -60,6 +63,21 @@ def test_bad_input_is_refused_and_unit_stays_usable(case, tmp_path):
   assert after[0].row == 2 and after[0].token_start == before[-1].token_end
   payload = TrajectoryStore.open(store.url).read(before + after).result()
   np.testing.assert_array_equal(payload.tokens[0], np.r_[np.arange(4), np.arange(5) + 10])
+
+
+def test_the_first_bad_field_is_named_when_several_are_bad():
+  # int32 token and float32 log-prob values are checked over the whole call first;
+  # the error still names the first bad field in call order.
+  store = TrajectoryStore.create("memory://validation_first", SCHEMA)
+  nan = np.array([0, np.nan, 0, 0, 0], np.float32)
+  calls = {("logprobs", 1): [good(), good(logprobs=nan), good(source="poetry")],
+           ("prompt_tokens", 1): [good(), good(prompt_tokens=np.array([3, -2], np.int32),
+                                               source="poetry", logprobs=nan)],
+           ("source", 0): [good(source="poetry"), good(logprobs=nan)]}
+  for (field, index), call in calls.items():
+    with pytest.raises(TrajectoryValidationError) as err:
+      store.writer("u").append(call)
+    assert (err.value.field, err.value.index) == (field, index)
 
 
 def test_error_message_names_value():

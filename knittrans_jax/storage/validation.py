@@ -41,7 +41,7 @@ class PackedAppend:
   image_ids: list[tuple[str, ...]]
 
 
-def _token_array(value, field: str, i: int, gid, max_len: int) -> np.ndarray:
+def _token_array(value, field: str, i: int, gid, max_len: int, values: bool) -> np.ndarray:
   arr = np.asarray(value)
   if arr.dtype.kind not in "iu":
     raise Bad(field, i, arr.dtype, "must be an integer array", gid)
@@ -51,9 +51,10 @@ def _token_array(value, field: str, i: int, gid, max_len: int) -> np.ndarray:
     raise Bad(field, i, arr.shape, "must not be empty", gid)
   if arr.size > max_len:
     raise Bad(field, i, arr.size, f"length exceeds the configured maximum {max_len}", gid)
-  lo, hi = int(arr.min()), int(arr.max())
-  if lo < 0 or hi > _INT32_MAX:
-    raise Bad(field, i, (lo, hi), "token ids must lie in [0, 2**31)", gid)
+  if values or arr.dtype != np.int32:  # else the call's min is checked at once
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi > _INT32_MAX:
+      raise Bad(field, i, (lo, hi), "token ids must lie in [0, 2**31)", gid)
   return arr.astype(np.int32, copy=False)
 
 
@@ -70,9 +71,27 @@ def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
   """Validates every trajectory; raises `TrajectoryValidationError` on the first bad field.
 
   `known_images`: the ids a trajectory may name (the unit's and the call's images;
-  the call's only when the store keeps a copy per trajectory)."""
+  the call's only when the store keeps a copy per trajectory).
+
+  The value checks of int32 tokens and float32 log-probs (the usual dtypes) run once
+  over the packed call rather than per trajectory; if anything is bad, the call is
+  checked again trajectory by trajectory, so the error names the first bad field.
+  """
   if not trajectories:
     raise ValueError("append needs at least one trajectory")
+  try:
+    packed = _pack(trajectories, schema, known_images, values=False)
+  except Bad:
+    packed = None
+  if packed is not None and packed.tokens.min() >= 0 and np.isfinite(packed.logprobs).all():
+    return packed
+  return _pack(trajectories, schema, known_images, values=True)
+
+
+def _pack(trajectories: Sequence[Trajectory], schema: StoreSchema,
+          known_images: Collection[str], values: bool) -> PackedAppend:
+  """The call packed; `values=False` skips the checks of int32 token and float32
+  log-prob values, for the caller to make over the packed arrays."""
   toks, lps, masks, imgs = [], [], [], []
   cols = {k: [] for k in ("prompt_len", "response_len", "source", "group_id", "index_in_group",
                           "version_first", "version_last", "reward")}
@@ -80,15 +99,16 @@ def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
     if not isinstance(t, Trajectory):
       raise Bad("trajectory", i, type(t).__name__, "must be a knittrans_jax.types.Trajectory")
     gid = _int_field(t.group_id, "group_id", i, None)
-    prompt = _token_array(t.prompt_tokens, "prompt_tokens", i, gid, schema.max_prompt_len)
-    resp = _token_array(t.response_tokens, "response_tokens", i, gid, schema.max_response_len)
+    prompt = _token_array(t.prompt_tokens, "prompt_tokens", i, gid, schema.max_prompt_len, values)
+    resp = _token_array(t.response_tokens, "response_tokens", i, gid, schema.max_response_len,
+                        values)
 
     lp = np.asarray(t.logprobs)
     if lp.dtype.kind != "f":
       raise Bad("logprobs", i, lp.dtype, "must be a float array", gid)
     if lp.shape != resp.shape:
       raise Bad("logprobs", i, lp.shape, f"shape must equal response_tokens shape {resp.shape}", gid)
-    if not np.isfinite(lp).all():
+    if (values or lp.dtype != np.float32) and not np.isfinite(lp).all():
       raise Bad("logprobs", i, lp[~np.isfinite(lp)][:3], "must be finite", gid)
 
     mask = np.asarray(t.loss_mask)
