@@ -39,22 +39,34 @@ def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, st
   out = np.empty(stop - start, dtype)
   raw = memoryview(out.view(np.uint8))
   size = dtype.itemsize
+  prefix = os.path.join(array_dir, "c", "")
+  # A read that runs to its chunk's end also reads the rest of the file and one byte
+  # past it: the byte count then tells a short or a long file without an fstat.
+  tail = bytearray(file_bytes - chunk * size + 1)
   for k in range(start // chunk, -(-stop // chunk)):
     lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
     dst = raw[(lo - start) * size:(hi - start) * size]
-    path = os.path.join(array_dir, "c", str(k))
+    path = prefix + str(k)
     try:
       fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
       out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
       continue
     try:
-      have = os.fstat(fd).st_size
-      if have != file_bytes:
-        raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
-      got = os.preadv(fd, [dst], (lo - k * chunk) * size)
+      to_end = hi == (k + 1) * chunk
+      if not to_end:
+        _check_size(fd, path, file_bytes)
+      want = len(dst) + (len(tail) - 1 if to_end else 0)
+      got = os.preadv(fd, [dst, tail] if to_end else [dst], (lo - k * chunk) * size)
+      if got != want:
+        _check_size(fd, path, file_bytes)  # names the size when it is the size
+        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
     finally:
       os.close(fd)
-    if got != len(dst):
-      raise ChunkFileError(f"chunk file {path}: read {got} of {len(dst)} bytes")
   return out
+
+
+def _check_size(fd: int, path: str, file_bytes: int) -> None:
+  have = os.fstat(fd).st_size
+  if have != file_bytes:
+    raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
