@@ -34,7 +34,8 @@ class ChunkFileError(StoreError):
 def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, stop: int,
                file_bytes: int) -> np.ndarray:
   """Elements [start, stop) of the 1-D array at `array_dir` (chunks of `chunk`
-  elements, each file `file_bytes` long: the chunk's bytes plus any checksum)."""
+  elements, each file `file_bytes` long: the chunk's bytes plus any checksum). A
+  missing chunk reads as `fill`, or is an error naming its file when `fill` is None."""
   dtype = np.dtype(dtype)
   out = np.empty(stop - start, dtype)
   raw = memoryview(out.view(np.uint8))
@@ -50,6 +51,8 @@ def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, st
     try:
       fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
+      if fill is None:
+        raise ChunkFileError(f"chunk file {path} is missing") from None
       out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
       continue
     try:
