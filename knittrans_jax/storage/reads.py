@@ -27,12 +27,14 @@ from knittrans_jax.types import Payload, TrajMeta
 _SEQ_ARRAYS = ("tokens", "logprobs", "loss_mask")
 
 
-def _runs(order: list[int], units: list[str], starts: list[int],
-          ends: list[int]) -> list[list[int]]:
-  """Splits indices (sorted by unit, offset) into runs of contiguous token ranges."""
+def _runs(units: list[str], starts: list[int], ends: list[int]) -> list[list[int]]:
+  """Indices grouped into runs of contiguous token ranges, sorted by unit and offset."""
+  n = len(units)
+  if n and units.count(units[0]) == n and starts[1:] == ends[:-1]:
+    return [list(range(n))]  # rows as stored (a sequential read): one run, no sort
   runs: list[list[int]] = []
   prev_unit, prev_end = None, -1
-  for i in order:
+  for i in sorted(range(n), key=list(zip(units, starts)).__getitem__):
     if units[i] == prev_unit and starts[i] == prev_end:
       runs[-1].append(i)
     else:
@@ -104,8 +106,7 @@ class ReadFuture:
     units = [m.unit for m in self._metas]
     self._starts = [m.token_start for m in self._metas]
     self._ends = [m.token_start + m.prompt_len + m.response_len for m in self._metas]
-    order = sorted(range(len(units)), key=list(zip(units, self._starts)).__getitem__)
-    self._runs = _runs(order, units, self._starts, self._ends)
+    self._runs = _runs(units, self._starts, self._ends)
     self._futures = []  # (unit, run, {array: future}, whether to look for fill values)
     # Located first: locating may read metadata (image table, a no-dedup row's refs).
     self._images = _image_reads(self._metas, reader_of, skip_images, dedup_images)
