@@ -107,7 +107,7 @@ class ReadFuture:
     self._starts = [m.token_start for m in self._metas]
     self._ends = [m.token_start + m.prompt_len + m.response_len for m in self._metas]
     self._runs = _runs(units, self._starts, self._ends)
-    self._futures = []  # (unit, run, {array: future}, whether to look for fill values)
+    self._futures = []  # (unit, run, {array: future})
     # Located first: locating may read metadata (image table, a no-dedup row's refs).
     self._images = _image_reads(self._metas, reader_of, skip_images, dedup_images)
     with ts.Batch() as batch:
@@ -116,31 +116,32 @@ class ReadFuture:
         reader = reader_of(unit)
         futs = {name: reader.read_flat(name, self._starts[run[0]], self._ends[run[-1]], batch)
                 for name in _SEQ_ARRAYS}
-        self._futures.append((unit, run, futs, not reader.reads_direct()))
+        self._futures.append((unit, run, futs))
       for img in self._images:
         start, end, _, _ = img.reader.image_at(img.table_row)
         # The content hash checks every image read: its chunks' crc32c is not needed.
         img.future = img.reader.read_flat("images/data", start, end, batch, checked_elsewhere=True)
 
   def done(self) -> bool:
-    return all(f.done() for _, _, fs, _ in self._futures for f in fs.values()) and all(
+    return all(f.done() for _, _, fs in self._futures for f in fs.values()) and all(
         img.future.done() for img in self._images)
 
   def result(self) -> Payload:
     n = len(self._metas)
     out = {name: [None] * n for name in _SEQ_ARRAYS}
-    for unit, run, futs, scan in self._futures:
+    for unit, run, futs in self._futures:
       arrays = {}
       for name, fut in futs.items():
         try:
           arrays[name] = fut.result()
         except Exception as e:
           raise CorruptUnitError(unit, f"reading {name} failed: {e}") from e
-      # Through TensorStore, fill values mark chunks that are missing inside the
-      # committed range (direct reads fail on them instead). Reductions (NaN
-      # propagates through min) make no temporary arrays, unlike elementwise tests.
-      if scan and (arrays["tokens"].min() < 0 or np.isnan(arrays["logprobs"].min())
-                   or arrays["loss_mask"].max() > 1):
+      # Fill values mark chunks that are missing inside the committed range (through
+      # TensorStore), and values no writer stores mark damaged ones (a chunk's head
+      # overwritten, faults/corrupt_chunk.py). Reductions (NaN propagates through
+      # min) make no temporary arrays, unlike elementwise tests.
+      if (arrays["tokens"].min() < 0 or np.isnan(arrays["logprobs"].min())
+          or arrays["loss_mask"].max() > 1):
         raise CorruptUnitError(unit, "payload chunk missing inside the committed range "
                                f"(rows {self._metas[run[0]].row}..{self._metas[run[-1]].row})")
       arrays["loss_mask"] = arrays["loss_mask"].view(np.bool_)

@@ -51,20 +51,15 @@ class UnitReader:
     except Exception as e:
       raise CorruptUnitError(self.unit, f"reading {what} failed: {e}") from e
 
-  def reads_direct(self, checked_elsewhere: bool = False) -> bool:
-    """Whether `read_flat` reads straight from the chunk files: a local unit, unless
-    the array's crc32c must be verified here (`payload_checksum`, and the caller
-    does not check the bytes itself)."""
-    return self._dir is not None and not (self.schema.payload_checksum and not checked_elsewhere)
-
   def read_flat(self, name: str, start: int, stop: int, batch=None,
                 checked_elsewhere: bool = False):
     """A future of elements [start, stop) of a 1-D payload array (tokens, logprobs,
-    loss_mask, images/data). When `reads_direct`, it is read from the chunk files
-    (storage/file_chunks.py), at once, and a missing chunk is an error naming its
-    file unless the caller checks the bytes (images: their hash); through
-    TensorStore a missing chunk reads as the fill value, for the caller to find."""
-    if not self.reads_direct(checked_elsewhere):
+    loss_mask, images/data). A local unit is read straight from its chunk files
+    (storage/file_chunks.py), at once, unless the array's crc32c must be verified
+    here (`payload_checksum`, and the caller does not check the bytes itself); a
+    missing chunk is then an error naming its file, unless the caller checks the
+    bytes (images: their hash). Through TensorStore it reads as the fill value."""
+    if self._dir is None or (self.schema.payload_checksum and not checked_elsewhere):
       return self._read(name, start, stop, batch)
     array = self.arrays[name]
     chunk = array.chunk_layout.write_chunk.shape[0]
