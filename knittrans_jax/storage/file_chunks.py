@@ -40,54 +40,36 @@ def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, st
   out = np.empty(stop - start, dtype)
   raw = memoryview(out.view(np.uint8))
   size = dtype.itemsize
-  chunks = os.path.join(array_dir, "c")
-  try:  # chunk files opened relative to their directory: one name to look up each
-    dir_fd = os.open(chunks, os.O_RDONLY | os.O_DIRECTORY)
-  except FileNotFoundError:
-    dir_fd = None  # no chunk written yet
+  prefix = os.path.join(array_dir, "c", "")
   # A read that runs to its chunk's end also reads the rest of the file and one byte
   # past it: the byte count then tells a short or a long file without an fstat.
   tail = bytearray(file_bytes - chunk * size + 1)
-  try:
-    for k in range(start // chunk, -(-stop // chunk)):
-      lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
-      dst = raw[(lo - start) * size:(hi - start) * size]
+  for k in range(start // chunk, -(-stop // chunk)):
+    lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+    dst = raw[(lo - start) * size:(hi - start) * size]
+    path = prefix + str(k)
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+      if fill is None:
+        raise ChunkFileError(f"chunk file {path} is missing") from None
+      out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
+      continue
+    try:
       to_end = hi == (k + 1) * chunk
-      if not _read_chunk(dir_fd, chunks, k, dst, (lo - k * chunk) * size, file_bytes,
-                         tail if to_end else None):
-        if fill is None:
-          raise ChunkFileError(f"chunk file {chunks}/{k} is missing")
-        out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
-  finally:
-    if dir_fd is not None:
-      os.close(dir_fd)
+      if not to_end:
+        _check_size(fd, path, file_bytes)
+      want = len(dst) + (len(tail) - 1 if to_end else 0)
+      got = os.preadv(fd, [dst, tail] if to_end else [dst], (lo - k * chunk) * size)
+      if got != want:
+        _check_size(fd, path, file_bytes)  # names the size when it is the size
+        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
+    finally:
+      os.close(fd)
   return out
 
 
-def _read_chunk(dir_fd: int | None, chunks: str, k: int, dst: memoryview, offset: int,
-                file_bytes: int, tail: bytearray | None) -> bool:
-  """Reads `dst` from chunk file `k` at `offset` (and `tail`, past the chunk's bytes,
-  when given); False if the file does not exist."""
-  if dir_fd is None:
-    return False
-  try:
-    fd = os.open(str(k), os.O_RDONLY, dir_fd=dir_fd)
-  except FileNotFoundError:
-    return False
-  try:
-    if tail is None:
-      _check_size(fd, chunks, k, file_bytes)
-    want = len(dst) + (len(tail) - 1 if tail is not None else 0)
-    got = os.preadv(fd, [dst] if tail is None else [dst, tail], offset)
-    if got != want:
-      _check_size(fd, chunks, k, file_bytes)  # names the size when it is the size
-      raise ChunkFileError(f"chunk file {chunks}/{k}: read {got} of {want} bytes")
-  finally:
-    os.close(fd)
-  return True
-
-
-def _check_size(fd: int, chunks: str, k: int, file_bytes: int) -> None:
+def _check_size(fd: int, path: str, file_bytes: int) -> None:
   have = os.fstat(fd).st_size
   if have != file_bytes:
-    raise ChunkFileError(f"chunk file {chunks}/{k} is {have} bytes, not {file_bytes}")
+    raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
