@@ -5,8 +5,9 @@ Through TensorStore the same read copies each chunk into a buffer of its own, de
 it into another and copies that into the result, on its thread pools; this is the
 read path for local units whose chunks are plain bytes (the `bytes` codec, with or
 without a trailing crc32c). It keeps TensorStore's meaning of the files: chunk
-`c/K` of the default key encoding, a missing chunk reads as the fill value, and a
-chunk file whose size is not the chunk's is an error (a truncated or foreign file).
+`c/K` of the default key encoding, a missing chunk reads as the fill value (or is
+an error naming the file, for payload reads), and a chunk file whose size is not the
+chunk's is an error (a truncated or foreign file).
 It does not verify a chunk's crc32c, so callers use it where the checksum is not
 needed: payload arrays without `payload_checksum`, and images, whose content hash is
 checked on every read.
