@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from store_helpers import SOURCES, check_payload, group
 
-from knittrans_jax.storage import StoreSchema, TrajectoryStore
+from knittrans_jax.storage import CorruptUnitError, StoreSchema, TrajectoryStore
 from knittrans_jax.storage.file_chunks import ChunkFileError, read_range
 from knittrans_jax.storage.unit_reader import UnitReader
 
@@ -55,3 +55,31 @@ def test_a_file_store_reads_its_payload_without_tensorstore(tmp_path, monkeypatc
     return real(self, name, *args, **kw)
   monkeypatch.setattr(UnitReader, "_read", metadata_only)
   check_payload(fresh.read(metas).result(), SEED, N)
+
+
+def _unit(tmp_path, checksum=False):
+  schema = StoreSchema(sources=SOURCES, max_response_len=512, token_chunk=64, row_chunk=8,
+                       payload_checksum=checksum)
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", schema)
+  store.writer("u").append(group(SEED, 0, N))
+  return TrajectoryStore.open(store.url), tmp_path / "s" / "u"
+
+
+def test_a_longer_chunk_file_is_an_error(tmp_path):
+  _, unit = _unit(tmp_path)
+  with open(unit / "tokens" / "c" / "1", "ab") as f:
+    f.write(b"\0")  # a read to the chunk's end takes no fstat: its byte count tells
+  for lo, hi in ((0, 200), (70, 100)):  # to the end of chunk 1, inside it
+    with pytest.raises(ChunkFileError, match=r"tokens/c/1 is 257 bytes, not 256"):
+      read_range(str(unit / "tokens"), 64, np.int32, -1, lo, hi, 256)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_a_missing_payload_chunk_is_an_error(tmp_path, checksum):
+  store, unit = _unit(tmp_path, checksum)
+  metas = store.list_committed("u")
+  os.remove(unit / "logprobs" / "c" / "1")
+  # Direct reads name the file; TensorStore's (crc32c verified) read the fill value.
+  what = "payload chunk missing" if checksum else "logprobs/c/1 is missing"
+  with pytest.raises(CorruptUnitError, match=what):
+    store.read(metas).result()

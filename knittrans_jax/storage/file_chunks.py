@@ -5,8 +5,9 @@ Through TensorStore the same read copies each chunk into a buffer of its own, de
 it into another and copies that into the result, on its thread pools; this is the
 read path for local units whose chunks are plain bytes (the `bytes` codec, with or
 without a trailing crc32c). It keeps TensorStore's meaning of the files: chunk
-`c/K` of the default key encoding, a missing chunk reads as the fill value, and a
-chunk file whose size is not the chunk's is an error (a truncated or foreign file).
+`c/K` of the default key encoding, a missing chunk reads as the fill value (or is
+an error naming the file, for payload reads), and a chunk file whose size is not the
+chunk's is an error (a truncated or foreign file).
 It does not verify a chunk's crc32c, so callers use it where the checksum is not
 needed: payload arrays without `payload_checksum`, and images, whose content hash is
 checked on every read.
@@ -34,27 +35,42 @@ class ChunkFileError(StoreError):
 def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, stop: int,
                file_bytes: int) -> np.ndarray:
   """Elements [start, stop) of the 1-D array at `array_dir` (chunks of `chunk`
-  elements, each file `file_bytes` long: the chunk's bytes plus any checksum)."""
+  elements, each file `file_bytes` long: the chunk's bytes plus any checksum). A
+  missing chunk reads as `fill`, or is an error naming its file when `fill` is None."""
   dtype = np.dtype(dtype)
   out = np.empty(stop - start, dtype)
   raw = memoryview(out.view(np.uint8))
   size = dtype.itemsize
+  prefix = os.path.join(array_dir, "c", "")
+  # A read that runs to its chunk's end also reads the rest of the file and one byte
+  # past it: the byte count then tells a short or a long file without an fstat.
+  tail = bytearray(file_bytes - chunk * size + 1)
   for k in range(start // chunk, -(-stop // chunk)):
     lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
     dst = raw[(lo - start) * size:(hi - start) * size]
-    path = os.path.join(array_dir, "c", str(k))
+    path = prefix + str(k)
     try:
       fd = os.open(path, os.O_RDONLY)
     except FileNotFoundError:
+      if fill is None:
+        raise ChunkFileError(f"chunk file {path} is missing") from None
       out[lo - start:hi - start] = fill  # as TensorStore reads a chunk never written
       continue
     try:
-      have = os.fstat(fd).st_size
-      if have != file_bytes:
-        raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
-      got = os.preadv(fd, [dst], (lo - k * chunk) * size)
+      to_end = hi == (k + 1) * chunk
+      if not to_end:
+        _check_size(fd, path, file_bytes)
+      want = len(dst) + (len(tail) - 1 if to_end else 0)
+      got = os.preadv(fd, [dst, tail] if to_end else [dst], (lo - k * chunk) * size)
+      if got != want:
+        _check_size(fd, path, file_bytes)  # names the size when it is the size
+        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
     finally:
       os.close(fd)
-    if got != len(dst):
-      raise ChunkFileError(f"chunk file {path}: read {got} of {len(dst)} bytes")
   return out
+
+
+def _check_size(fd: int, path: str, file_bytes: int) -> None:
+  have = os.fstat(fd).st_size
+  if have != file_bytes:
+    raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")

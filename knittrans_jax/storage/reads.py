@@ -27,17 +27,19 @@ from knittrans_jax.types import Payload, TrajMeta
 _SEQ_ARRAYS = ("tokens", "logprobs", "loss_mask")
 
 
-def _runs(order: list[int], metas: Sequence[TrajMeta]) -> list[list[int]]:
-  """Splits indices (sorted by unit, offset) into runs of contiguous token ranges."""
+def _runs(units: list[str], starts: list[int], ends: list[int]) -> list[list[int]]:
+  """Indices grouped into runs of contiguous token ranges, sorted by unit and offset."""
+  n = len(units)
+  if n and units.count(units[0]) == n and starts[1:] == ends[:-1]:
+    return [list(range(n))]  # rows as stored (a sequential read): one run, no sort
   runs: list[list[int]] = []
   prev_unit, prev_end = None, -1
-  for i in order:
-    m = metas[i]
-    if m.unit == prev_unit and m.token_start == prev_end:
+  for i in sorted(range(n), key=list(zip(units, starts)).__getitem__):
+    if units[i] == prev_unit and starts[i] == prev_end:
       runs[-1].append(i)
     else:
       runs.append([i])
-    prev_unit, prev_end = m.unit, m.token_start + m.prompt_len + m.response_len
+    prev_unit, prev_end = units[i], ends[i]
   return runs
 
 
@@ -100,18 +102,21 @@ class ReadFuture:
   def __init__(self, metas: Sequence[TrajMeta], reader_of: Callable[[str], UnitReader],
                skip_images: Collection[str] = (), dedup_images: bool = True):
     self._metas = list(metas)
-    order = sorted(range(len(metas)), key=lambda i: (metas[i].unit, metas[i].token_start))
-    self._runs = _runs(order, self._metas)
+    # Plain lists, read once: a whole-unit read has thousands of trajectories.
+    units = [m.unit for m in self._metas]
+    self._starts = [m.token_start for m in self._metas]
+    self._ends = [m.token_start + m.prompt_len + m.response_len for m in self._metas]
+    self._runs = _runs(units, self._starts, self._ends)
     self._futures = []  # (unit, run, {array: future})
     # Located first: locating may read metadata (image table, a no-dedup row's refs).
     self._images = _image_reads(self._metas, reader_of, skip_images, dedup_images)
     with ts.Batch() as batch:
       for run in self._runs:
-        first, last = self._metas[run[0]], self._metas[run[-1]]
-        reader = reader_of(first.unit)
-        futs = {name: reader.read_flat(name, first.token_start, last.token_end, batch)
+        unit = units[run[0]]
+        reader = reader_of(unit)
+        futs = {name: reader.read_flat(name, self._starts[run[0]], self._ends[run[-1]], batch)
                 for name in _SEQ_ARRAYS}
-        self._futures.append((first.unit, run, futs))
+        self._futures.append((unit, run, futs))
       for img in self._images:
         start, end, _, _ = img.reader.image_at(img.table_row)
         # The content hash checks every image read: its chunks' crc32c is not needed.
@@ -131,19 +136,26 @@ class ReadFuture:
           arrays[name] = fut.result()
         except Exception as e:
           raise CorruptUnitError(unit, f"reading {name} failed: {e}") from e
-      # Fill values mark chunks that are missing inside the committed range. Reductions
-      # (NaN propagates through min) make no temporary arrays, unlike elementwise tests.
+      # Fill values mark chunks that are missing inside the committed range (through
+      # TensorStore), and values no writer stores mark damaged ones (a chunk's head
+      # overwritten, faults/corrupt_chunk.py). Reductions (NaN propagates through
+      # min) make no temporary arrays, unlike elementwise tests.
       if (arrays["tokens"].min() < 0 or np.isnan(arrays["logprobs"].min())
           or arrays["loss_mask"].max() > 1):
         raise CorruptUnitError(unit, "payload chunk missing inside the committed range "
                                f"(rows {self._metas[run[0]].row}..{self._metas[run[-1]].row})")
       arrays["loss_mask"] = arrays["loss_mask"].view(np.bool_)
-      base = self._metas[run[0]].token_start
-      bounds = [(self._metas[i].token_start - base, self._metas[i].token_end - base) for i in run]
+      base = self._starts[run[0]]
+      cuts = [slice(self._starts[i] - base, self._ends[i] - base) for i in run]
+      whole = len(run) == n and run == list(range(n))  # one run, in the order asked
       for name, arr in arrays.items():  # views into the run's buffer, no copies
+        views = list(map(arr.__getitem__, cuts))
+        if whole:
+          out[name] = views
+          continue
         dst = out[name]
-        for i, (lo, hi) in zip(run, bounds):
-          dst[i] = arr[lo:hi]
+        for i, v in zip(run, views):
+          dst[i] = v
     images, image_bytes = {}, 0
     for img in self._images:
       try:

@@ -56,17 +56,19 @@ class UnitReader:
     """A future of elements [start, stop) of a 1-D payload array (tokens, logprobs,
     loss_mask, images/data). A local unit is read straight from its chunk files
     (storage/file_chunks.py), at once, unless the array's crc32c must be verified
-    here (`payload_checksum`, and the caller does not check the bytes itself)."""
-    checksum = self.schema.payload_checksum
-    if self._dir is None or (checksum and not checked_elsewhere):
+    here (`payload_checksum`, and the caller does not check the bytes itself); a
+    missing chunk is then an error naming its file, unless the caller checks the
+    bytes (images: their hash). Through TensorStore it reads as the fill value."""
+    if self._dir is None or (self.schema.payload_checksum and not checked_elsewhere):
       return self._read(name, start, stop, batch)
     array = self.arrays[name]
     chunk = array.chunk_layout.write_chunk.shape[0]
     dtype = array.dtype.numpy_dtype
+    fill = array.fill_value if checked_elsewhere else None
     try:
       return _Ready(file_chunks.read_range(
-          self._dir + name, chunk, dtype, array.fill_value, start, stop,
-          chunk * dtype.itemsize + 4 * checksum))
+          self._dir + name, chunk, dtype, fill, start, stop,
+          chunk * dtype.itemsize + 4 * self.schema.payload_checksum))
     except (OSError, file_chunks.ChunkFileError) as e:
       return _Ready(error=e)
 
