@@ -33,7 +33,7 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	touch $(TEST_STAMP)
 
 test: install $(TEST_STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q tests
+	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 bench: install
 	$(PY) scripts/bench_store.py --json runs/bench_store.json
