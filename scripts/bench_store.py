@@ -10,6 +10,9 @@ Everything is measured in this one run on the same bytes:
                         directory beside the store (same filesystem), alternated
                         with the appends in blocks so that noise hits both alike
   append_vs_npsave      write_MBps / npsave_MBps (for s3, np.save goes to local disk)
+  write_amplification   bytes the appends wrote (write system calls of this
+                        process, /proc/self/io wchar) over the payload bytes: an
+                        append rewrites each array's boundary chunk from its start
   npsave_whole_MBps     np.save of the whole payload as three arrays (beside it;
                         append_vs_npsave_whole = write_MBps / npsave_whole_MBps)
   read_MBps             one read of a whole unit (64 MiB of payload by default)
@@ -86,6 +89,15 @@ def _image_group(rng, group_id, n, prompt=64, response=256):
                      group_id=group_id, index_in_group=i, versions=(0,)) for i in range(n)]
 
 
+def _written() -> int | None:
+  """Bytes this process has passed to write system calls (None where not counted)."""
+  try:
+    with open("/proc/self/io") as f:
+      return int(next(line for line in f if line.startswith("wchar:")).split()[1])
+  except (OSError, StopIteration):
+    return None
+
+
 def _timeit(fn, reps):
   times = []
   for _ in range(reps):
@@ -118,14 +130,16 @@ def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_di
   assert sum(a.nbytes for arrs in arrays for a in arrs) == written
   os.makedirs(npy_dir)
   write_s = npsave_s = 0.0
+  wchar = 0  # bytes the appends wrote
   blocks = 8  # appends and np.save alternate, block by block
   bar = tqdm(total=len(batches), desc=f"append (checksum={checksum})", leave=False)
   for blk in range(blocks):
     lo, hi = blk * len(batches) // blocks, (blk + 1) * len(batches) // blocks
-    t0 = time.perf_counter()
+    w0, t0 = _written(), time.perf_counter()
     for b in batches[lo:hi]:
       writer.append(b)
     write_s += time.perf_counter() - t0
+    wchar = None if w0 is None or wchar is None else wchar + _written() - w0
     t0 = time.perf_counter()
     for k in range(lo, hi):
       for name, a in zip(("tokens", "logprobs", "loss_mask"), arrays[k]):
@@ -175,6 +189,7 @@ def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_di
       "write_MBps": nbytes / MiB / write_s,
       "npsave_MBps": nbytes / MiB / npsave_s,
       "npsave_whole_MBps": nbytes / MiB / npsave_whole_s,
+      "write_amplification": wchar / nbytes if wchar is not None else None,
       "read_MBps": mbps(nbytes, read_times),
       "read_MBps_best": nbytes / MiB / min(read_times),
       "microbatch_read_MBps": micro_bytes / MiB / micro_s,
@@ -307,6 +322,8 @@ def main():
   for label, key in rows:
     print(f"  {label:<28}" + "".join(f"{r[key]:>12.0f}" for _, r in cols))
   print(f"  {'append / np.save':<28}" + "".join(f"{r['append_vs_npsave']:>12.2f}" for _, r in cols))
+  print(f"  {'bytes written / payload':<28}"
+        + "".join(f"{r['write_amplification'] or float('nan'):>12.2f}" for _, r in cols))
   print(f"  {'append / np.save (whole)':<28}"
         + "".join(f"{r['append_vs_npsave_whole']:>12.2f}" for _, r in cols))
   print(f"  {'read / memcpy':<28}" + "".join(f"{r['read_vs_memcpy']:>12.2f}" for _, r in cols))

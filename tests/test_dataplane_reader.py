@@ -105,7 +105,7 @@ def test_read_error_surfaces_at_its_micro_batch_and_the_reader_stops(store, tmp_
     plan[k] = [m for m in plan[k] if m.unit == "u0"] or plan[k][:0]
   plan = [mb for mb in plan if mb]
   bad = next(k for k, mb in enumerate(plan) if any(m.unit == "u1" for m in mb))
-  os.remove(tmp_path / "s" / "u1" / "tokens" / "c" / "0")
+  os.remove(tmp_path / "s" / "u1" / "sequences" / "c" / "0")
   reader = PrefetchingReader(TrajectoryStore.open(store.url), plan, lambda p: p, depth=2)
   for _ in range(bad):
     next(reader)
@@ -122,7 +122,7 @@ def test_quarantining_read_skips_only_the_damaged_rows(store, tmp_path):
   plan = plan_of(store)
   direct = {m.id: t for mb in plan for m, t in zip(*(lambda p: (p.metas, p.tokens))(
       store.read(mb).result()))}
-  os.remove(tmp_path / "s" / "u1" / "tokens" / "c" / "0")  # u1's first token chunk
+  os.remove(tmp_path / "s" / "u1" / "sequences" / "c" / "0")  # u1's first token chunk
   fresh = TrajectoryStore.open(store.url)
   q = QuarantiningReader(fresh)
   with PrefetchingReader(fresh, plan, flat, depth=2, read=q.read) as reader:

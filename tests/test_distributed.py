@@ -73,7 +73,7 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
 
 @pytest.mark.slow
 def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp_path):
-  """The run's mini-batches again, after one unit's first token chunk is deleted:
+  """The run's mini-batches again, after one unit's first sequences chunk is deleted:
   the job goes on, skipping exactly that chunk's rows."""
   import shutil
 
@@ -85,7 +85,7 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   store = TrajectoryStore.open(f"file://{run}/store")
   metas = store.list_committed("worker1")
   chunk = store.schema.token_chunk
-  os.remove(run / "store" / "worker1" / "tokens" / "c" / "0")
+  os.remove(run / "store" / "worker1" / "sequences" / "c" / "0")
   hit = [m for m in metas if m.token_start < chunk]
   gin.parse_config_file(str(run / "config.gin"))
   job = replay(str(run), str(tmp_path / "replay"), consumers=2)

@@ -7,6 +7,7 @@ import pytest
 from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax.storage import CorruptUnitError, StoreSchema, TrajectoryStore
+from knittrans_jax.storage import layout as L
 
 SEED, N = 3, 4
 
@@ -38,15 +39,21 @@ def _good_unit_still_readable(store):
   check_payload(store.read(metas).result(), SEED, N)
 
 
-@pytest.mark.parametrize("array", ["tokens", "logprobs", "loss_mask"])
-@pytest.mark.parametrize("damage", ["truncate", "delete"])
-def test_damaged_payload_chunk(tmp_path, array, damage):
+@pytest.mark.parametrize("damage", ["truncate", "delete", "garbage-tokens", "garbage-logprobs",
+                                    "garbage-loss_mask"])
+def test_damaged_payload_chunk(tmp_path, damage):
   store, root = _store(tmp_path)
-  path = _chunk(root, "bad", array)
+  path = _chunk(root, "bad", "sequences")
   if damage == "truncate":
     os.truncate(path, os.path.getsize(path) // 2)
-  else:
+  elif damage == "delete":
     os.remove(path)
+  else:  # bytes no writer stores at the head of one plane: the value scan's to find
+    plane = [name for name, _ in L.SEQ_FIELDS].index(damage.split("-")[1])
+    offset = L.seq_plane_offsets(256)[plane]
+    data = bytearray(path.read_bytes())
+    data[offset:offset + 8] = b"\xff" * 8
+    path.write_bytes(bytes(data))
   fresh = _fresh(store)
   metas = fresh.list_committed("bad")  # metadata is intact
   with pytest.raises(CorruptUnitError, match="'bad'") as err:
@@ -57,7 +64,7 @@ def test_damaged_payload_chunk(tmp_path, array, damage):
 
 def test_bit_flip_detected_with_payload_checksum(tmp_path):
   store, root = _store(tmp_path, payload_checksum=True)
-  path = _chunk(root, "bad", "tokens")
+  path = _chunk(root, "bad", "sequences")
   data = bytearray(path.read_bytes())
   data[10] ^= 0x40
   path.write_bytes(bytes(data))
@@ -92,12 +99,13 @@ def test_missing_row_chunk_is_detected(tmp_path):
   _good_unit_still_readable(_fresh(store))
 
 
-def test_unit_with_missing_arrays(tmp_path):
+@pytest.mark.parametrize("array", ["rows", "sequences"])
+def test_unit_with_missing_arrays(tmp_path, array):
   store, root = _store(tmp_path)
-  (root / "bad" / "tokens" / "zarr.json").unlink()
+  (root / "bad" / array / "zarr.json").unlink()
   fresh = _fresh(store)
   with pytest.raises(CorruptUnitError, match="'bad'.*cannot open"):
-    fresh.reader("bad")
+    fresh.read(fresh.list_committed("bad")).result()  # the sequences: once the format is read
   _good_unit_still_readable(fresh)
 
 

@@ -1,16 +1,30 @@
 """Local units' payload reads go straight to the chunk files (storage/file_chunks.py)
 and return what TensorStore returns."""
 import os
+import shutil
 
 import numpy as np
 import pytest
 from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax.storage import CorruptUnitError, StoreSchema, TrajectoryStore
-from knittrans_jax.storage.file_chunks import ChunkFileError, read_range
+from knittrans_jax.storage import layout as L
+from knittrans_jax.storage.file_chunks import ChunkFileError, read_planes, read_range
 from knittrans_jax.storage.unit_reader import UnitReader
 
 SEED, N = 4, 4
+DTYPES = [dt for _, dt in L.SEQ_FIELDS]
+FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "format2_store")
+
+
+def _planes_through_tensorstore(array, chunk, lo, hi):
+  """Tokens [lo, hi) of a planar array, from whole chunks read by TensorStore."""
+  k0, k1 = lo // chunk, -(-hi // chunk)
+  raw = array[k0 * chunk * L.SEQ_BYTES:k1 * chunk * L.SEQ_BYTES].read().result()
+  raw = raw.reshape(k1 - k0, chunk * L.SEQ_BYTES)
+  return [raw[:, o:o + chunk * dt.itemsize].copy().view(dt).reshape(-1)[lo - k0 * chunk:
+                                                                         hi - k0 * chunk]
+          for o, dt in zip(L.seq_plane_offsets(chunk), DTYPES)]
 
 
 @pytest.mark.parametrize("checksum", [False, True])
@@ -24,22 +38,50 @@ def test_chunk_file_reads_equal_tensorstore_reads(tmp_path, checksum):
   reader = TrajectoryStore.open(store.url).reader("u")
   total = reader.commit().tokens
   rng = np.random.default_rng(0)
-  spans = [(0, total), (0, 1), (63, 65), (64, 128)] + [
+  spans = [(0, total), (0, 1), (63, 65), (64, 128), (0, 64)] + [
       tuple(sorted(rng.integers(0, total, 2))) for _ in range(20)]
+  file_bytes = 64 * L.SEQ_BYTES + 4 * checksum
+  seq_dir = str(tmp_path / "s" / "u" / "sequences")
+  for lo, hi in spans:
+    want = _planes_through_tensorstore(reader.arrays["sequences"], 64, int(lo), int(hi))
+    got = read_planes(seq_dir, 64, DTYPES, int(lo), int(hi), file_bytes)
+    for g, x in zip(got, want):
+      np.testing.assert_array_equal(g, x)
+  # The reader's own paths (direct without crc32c, TensorStore with) agree as well.
+  for lo, hi in spans[:5]:
+    for g, x in zip(reader.read_sequences(int(lo), int(hi)).result(),
+                    _planes_through_tensorstore(reader.arrays["sequences"], 64, int(lo), int(hi))):
+      np.testing.assert_array_equal(g, x)
+  os.truncate(os.path.join(seq_dir, "c", "1"), 100)
+  for lo, hi in ((0, 200), (70, 100)):  # the whole chunk 1, a part of it
+    with pytest.raises(ChunkFileError, match=rf"sequences/c/1 is 100 bytes, not {file_bytes}"):
+      read_planes(seq_dir, 64, DTYPES, lo, hi, file_bytes)
+
+
+def test_format_2_arrays_read_by_range_equal_tensorstore_reads(tmp_path):
+  """Units of formats 1-2 keep one array per field: read by range, chunk by chunk."""
+  shutil.copytree(FORMAT2, tmp_path / "s")
+  store = TrajectoryStore.open(f"file://{tmp_path}/s")
+  reader = store.reader("text")
+  total = reader.commit().tokens
+  assert reader.commit().format == 2
+  spans = [(0, total), (0, 1), (63, 65), (64, 128)]
   for name in ("tokens", "logprobs", "loss_mask"):
     array = reader.arrays[name]
+    size = array.dtype.numpy_dtype.itemsize
     for lo, hi in spans:
-      got = read_range(str(tmp_path / "s" / "u" / name), 64, array.dtype.numpy_dtype,
-                       array.fill_value, int(lo), int(hi), 64 * array.dtype.numpy_dtype.itemsize
-                       + 4 * checksum)
+      got = read_range(str(tmp_path / "s" / "text" / name), 64, array.dtype.numpy_dtype,
+                       array.fill_value, lo, hi, 64 * size)
       np.testing.assert_array_equal(got, array[lo:hi].read().result())
   # A chunk never written reads as the fill value; one of the wrong size is an error.
   np.testing.assert_array_equal(
-      read_range(str(tmp_path / "s" / "u" / "tokens"), 64, np.int32, -1, total + 64,
-                 total + 70, 256 + 4 * checksum), -1)
-  os.truncate(tmp_path / "s" / "u" / "tokens" / "c" / "1", 100)
-  with pytest.raises(ChunkFileError, match=r"tokens/c/1 is 100 bytes, not 2(56|60)"):
-    read_range(str(tmp_path / "s" / "u" / "tokens"), 64, np.int32, -1, 0, 200, 256 + 4 * checksum)
+      read_range(str(tmp_path / "s" / "text" / "tokens"), 64, np.int32, -1, total + 64,
+                 total + 70, 256), -1)
+  with open(tmp_path / "s" / "text" / "tokens" / "c" / "1", "ab") as f:
+    f.write(b"\0")  # a read to the chunk's end takes no fstat: its byte count tells
+  for lo, hi in ((0, 200), (70, 100)):  # to the end of chunk 1, inside it
+    with pytest.raises(ChunkFileError, match=r"tokens/c/1 is 257 bytes, not 256"):
+      read_range(str(tmp_path / "s" / "text" / "tokens"), 64, np.int32, -1, lo, hi, 256)
 
 
 def test_a_file_store_reads_its_payload_without_tensorstore(tmp_path, monkeypatch):
@@ -51,7 +93,7 @@ def test_a_file_store_reads_its_payload_without_tensorstore(tmp_path, monkeypatc
   real = UnitReader._read
 
   def metadata_only(self, name, *args, **kw):
-    assert name not in ("tokens", "logprobs", "loss_mask", "images/data"), name
+    assert name not in ("sequences", "images/data"), name
     return real(self, name, *args, **kw)
   monkeypatch.setattr(UnitReader, "_read", metadata_only)
   check_payload(fresh.read(metas).result(), SEED, N)
@@ -67,19 +109,19 @@ def _unit(tmp_path, checksum=False):
 
 def test_a_longer_chunk_file_is_an_error(tmp_path):
   _, unit = _unit(tmp_path)
-  with open(unit / "tokens" / "c" / "1", "ab") as f:
-    f.write(b"\0")  # a read to the chunk's end takes no fstat: its byte count tells
-  for lo, hi in ((0, 200), (70, 100)):  # to the end of chunk 1, inside it
-    with pytest.raises(ChunkFileError, match=r"tokens/c/1 is 257 bytes, not 256"):
-      read_range(str(unit / "tokens"), 64, np.int32, -1, lo, hi, 256)
+  with open(unit / "sequences" / "c" / "1", "ab") as f:
+    f.write(b"\0")  # a whole-chunk read takes no fstat: its byte count tells
+  for lo, hi in ((0, 200), (70, 100)):  # the whole chunk 1, a part of it
+    with pytest.raises(ChunkFileError, match=r"sequences/c/1 is 577 bytes, not 576"):
+      read_planes(str(unit / "sequences"), 64, DTYPES, lo, hi, 576)
 
 
 @pytest.mark.parametrize("checksum", [False, True])
 def test_a_missing_payload_chunk_is_an_error(tmp_path, checksum):
   store, unit = _unit(tmp_path, checksum)
   metas = store.list_committed("u")
-  os.remove(unit / "logprobs" / "c" / "1")
+  os.remove(unit / "sequences" / "c" / "1")
   # Direct reads name the file; TensorStore's (crc32c verified) read the fill value.
-  what = "payload chunk missing" if checksum else "logprobs/c/1 is missing"
+  what = "payload chunk missing" if checksum else "sequences/c/1 is missing"
   with pytest.raises(CorruptUnitError, match=what):
     store.read(metas).result()

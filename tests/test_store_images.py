@@ -1,15 +1,16 @@
 """The image table: one hash per image, checked on every read; the per-trajectory
-(no-dedup) layout; units written by format 1 (blake2b ids)."""
+(no-dedup) layout; units written by formats 1 (blake2b ids) and 2."""
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
 import tensorstore as ts
 import xxhash
-from store_helpers import SOURCES, group
+from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax.storage import (CorruptUnitError, Image, StoreError, StoreSchema,
                                    TrajectoryStore, TrajectoryValidationError, image_id)
@@ -18,6 +19,7 @@ from knittrans_jax.storage.images import blake2b_image_id, hex_to_hash
 
 SEED, N = 5, 8
 SHAPE = (16, 16, 3)  # 768 bytes of uint8: one image per 768-byte chunk below
+FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "format2_store")
 
 
 def _schema(**kw):
@@ -233,9 +235,10 @@ def test_a_store_json_without_dedup_images_opens_with_dedup(tmp_path):
   TrajectoryStore.create(store.url, _schema())  # the same schema: no mismatch
 
 
-def _as_format_1(root, unit, images):
-  """Rewrites a unit as format 1 wrote it: blake2b-128 image ids, format 1 marker."""
-  spec = L.unit_arrays(L.join(f"file://{root}", unit), _schema())
+def _as_format_1(url, unit, images):
+  """Rewrites a format 2 unit as format 1 wrote it: blake2b-128 image ids, format 1
+  marker (the two formats differ in nothing else)."""
+  spec = L.unit_arrays(L.join(url, unit), TrajectoryStore.open(url).schema, 2)
   commit = ts.open(spec["commit"]).result()
   raw = commit.read().result()
   raw[L.C_FORMAT] = 1
@@ -245,30 +248,45 @@ def _as_format_1(root, unit, images):
     ts.open(spec["images/hash"]).result()[:len(images)].write(hashes).result()
 
 
-def test_format_1_units_are_read_and_not_mixed(tmp_path, count_hashes):
-  root = tmp_path / "store"
-  store = TrajectoryStore.create(f"file://{root}", _schema())
+@pytest.mark.parametrize("fmt", [1, 2])
+def test_older_format_units_are_read_and_not_appended_to(tmp_path, count_hashes, fmt):
+  """tests/data/format2_store was written by format 2 (three sequence arrays): unit
+  'old' holds groups 0-1 of group(5, g, 8), each with _images(2)[g]; 'text' group 5."""
+  shutil.copytree(FORMAT2, tmp_path / "s")
+  url = f"file://{tmp_path}/s"
   images = _images(2)
-  _write_groups(store, "old", images)
-  store.writer("text").append(group(SEED, 5, N))
-  _as_format_1(root, "old", images)
-  _as_format_1(root, "text", [])
-  fresh = TrajectoryStore.open(store.url)
+  if fmt == 1:
+    _as_format_1(url, "old", images)
+    _as_format_1(url, "text", [])
+  fresh = TrajectoryStore.open(url)
   metas = fresh.list_committed("old")
-  old_ids = [blake2b_image_id(im.array) for im in images]
-  assert [m.image_ids[0] for m in metas[::N]] == old_ids  # ids as that unit keyed them
+  ids = [blake2b_image_id(im.array) if fmt == 1 else im.id for im in images]
+  assert [m.image_ids[0] for m in metas[::N]] == ids  # ids as that unit keyed them
   count_hashes.update(xxh3_128=0, blake2b=0)
   payload = fresh.read(metas).result()
-  assert count_hashes == {"xxh3_128": 0, "blake2b": 2}  # checked with the unit's own hash
-  for iid, im in zip(old_ids, images):
+  hashes = {"xxh3_128": 0, "blake2b": 2} if fmt == 1 else {"xxh3_128": 2, "blake2b": 0}
+  assert count_hashes == hashes  # checked with the unit's own hash
+  check_payload(payload, SEED, N)
+  for iid, im in zip(ids, images):
     np.testing.assert_array_equal(payload.images[iid], im.array)
-  with pytest.raises(StoreError, match="'old' holds 2 images keyed by the hash of format 1"):
-    fresh.writer("old")
-  # A format-1 unit without images has nothing keyed: its writer goes on, in format 2.
-  w = fresh.writer("text")
-  assert w.commit.format == 1
-  w.append(_with_images(group(SEED, 6, 2), images[0]), images=[images[0]])
-  assert w.commit.format == 2 and TrajectoryStore.open(store.url).reader("text").commit().format == 2
+  text = fresh.list_committed("text")
+  assert [m.group_id for m in text] == [5] * N
+  check_payload(fresh.read(text).result(), SEED, N)
+  for unit, rows, n_images in (("old", 16, 2), ("text", 8, 0)):
+    with pytest.raises(StoreError, match=f"'{unit}' holds {rows} trajectories and "
+                                         f"{n_images} images in format {fmt}"):
+      fresh.writer(unit)
+  assert fresh.reader("old").commit().rows == 16  # nothing changed by the refusals
+  # An empty unit of an older format is written in this one.
+  w = fresh.writer("empty")
+  commit = ts.open(L.unit_arrays(L.join(url, "empty"), fresh.schema)["commit"]).result()
+  commit.write(np.array([fmt] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
+  w = TrajectoryStore.open(url).writer("empty")
+  assert w.commit.format == fmt and w.commit.rows == 0
+  w.append(group(SEED, 7, 2))
+  reader = TrajectoryStore.open(url).reader("empty")
+  assert reader.commit().format == L.FORMAT_VERSION
+  check_payload(TrajectoryStore.open(url).read(reader.list()).result(), SEED, 2)
 
 
 def test_a_unit_of_an_unknown_format_is_refused_clearly(tmp_path):
@@ -278,8 +296,8 @@ def test_a_unit_of_an_unknown_format_is_refused_clearly(tmp_path):
   spec = L.unit_arrays(L.join(f"file://{root}", "u"), _schema())
   commit = ts.open(spec["commit"]).result()
   raw = commit.read().result()
-  raw[L.C_FORMAT] = 3
+  raw[L.C_FORMAT] = 4
   commit.write(raw).result()
-  with pytest.raises(CorruptUnitError, match=r"'u'.*format 3 is not one this version reads \(1, 2\)"):
+  with pytest.raises(CorruptUnitError, match=r"'u'.*format 4 is not one this version reads \(1, 2, 3\)"):
     TrajectoryStore.open(store.url).list_committed("u")
   assert os.path.exists(root / "u" / "unit.json")

@@ -101,7 +101,7 @@ def test_store_on_s3_create_append_list_read(s3, s3_url, dedup):
   prefix = s3_url[len(f"s3://{BUCKET}/"):] + "/"
   keys = {o["Key"][len(prefix):] for o in client.list_objects_v2(
       Bucket=BUCKET, Prefix=prefix, MaxKeys=1000)["Contents"]}
-  assert {"store.json", "_units/w0", "_units/w1", "w0/commit/c/0", "w1/tokens/c/0"} <= keys
+  assert {"store.json", "_units/w0", "_units/w1", "w0/commit/c/0", "w1/sequences/c/0"} <= keys
 
 
 def test_writer_sigkilled_mid_append_on_s3_with_a_polling_reader(s3_url, tmp_path):

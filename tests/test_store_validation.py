@@ -4,7 +4,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from knittrans_jax.storage import StoreSchema, TrajectoryStore, TrajectoryValidationError, image_id
+from knittrans_jax.storage import (SchemaMismatchError, StoreSchema, TrajectoryStore,
+                                   TrajectoryValidationError, image_id)
 from knittrans_jax.types import Trajectory
 
 SCHEMA = StoreSchema(sources=("math", "vqa"), max_prompt_len=16, max_response_len=32)
@@ -107,6 +108,27 @@ def test_schema_validation():
     StoreSchema(sources=("a", "a"))
   with pytest.raises(ValueError, match="token_chunk"):
     StoreSchema(token_chunk=0)
+  with pytest.raises(ValueError, match="row_chunk must be a positive int, got True"):
+    StoreSchema(row_chunk=True)
+
+
+def test_chunk_sizes_left_unset_are_chosen_where_the_store_is_created(tmp_path):
+  from knittrans_jax.storage.schema import DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK
+  local = TrajectoryStore.create(f"file://{tmp_path}/a", StoreSchema())
+  assert (local.schema.token_chunk, local.schema.row_chunk) == (DIRECT_TOKEN_CHUNK, ROW_CHUNK)
+  # Whole chunks are read (and crc32c-checked) there: small ones.
+  checked = TrajectoryStore.create(f"file://{tmp_path}/b", StoreSchema(payload_checksum=True))
+  remote = TrajectoryStore.create("memory://chosen_chunks", StoreSchema())
+  assert checked.schema.token_chunk == remote.schema.token_chunk == KVSTORE_TOKEN_CHUNK
+  # An existing store keeps its own; what was set must match it.
+  TrajectoryStore.create(f"file://{tmp_path}/c", StoreSchema(token_chunk=64, row_chunk=8))
+  again = TrajectoryStore.create(f"file://{tmp_path}/c", StoreSchema())
+  assert (again.schema.token_chunk, again.schema.row_chunk) == (64, 8)
+  assert TrajectoryStore.open(again.url).schema == again.schema
+  with pytest.raises(SchemaMismatchError, match="token_chunk=128"):
+    TrajectoryStore.create(f"file://{tmp_path}/c", StoreSchema(token_chunk=128))
+  with pytest.raises(ValueError, match="every field set"):
+    TrajectoryStore(f"file://{tmp_path}/c", StoreSchema())
 
 
 @pytest.mark.parametrize("field,value", [("group_id", 2**63), ("index_in_group", np.uint64(2**64 - 1)),

@@ -8,6 +8,7 @@ import tensorstore as ts
 from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax.storage import Image, StoreError, StoreSchema, TrajectoryStore
+from knittrans_jax.storage import layout as L
 
 SEED, N = 9, 3
 # Small chunks, so that appends straddle chunks of every array.
@@ -63,6 +64,9 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path)
   assert commit.images == 6 and commit.rows == 12 * N
   # Past the committed extent, the last chunks hold fill values.
   arrays = fresh.reader("u").arrays
-  end = -(-commit.tokens // 64) * 64
-  np.testing.assert_array_equal(arrays["tokens"][commit.tokens:end].read().result(), -1)
+  k, j = divmod(commit.tokens, 64)
+  assert j, "the test wants a partly filled last chunk"
+  last = arrays["sequences"][k * 64 * L.SEQ_BYTES:(k + 1) * 64 * L.SEQ_BYTES].read().result()
+  for o, (_, dt) in zip(L.seq_plane_offsets(64), L.SEQ_FIELDS):  # each plane's end
+    assert (last[o + j * dt.itemsize:o + 64 * dt.itemsize] == L.SEQ_FILL).all()
   assert np.isnan(arrays["reward"][commit.rows:-(-commit.rows // 4) * 4].read().result()).all()

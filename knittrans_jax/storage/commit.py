@@ -17,7 +17,7 @@ class Commit:
   refs: int = 0
   images: int = 0
   image_bytes: int = 0
-  format: int = L.FORMAT_VERSION  # what the unit was written with (image ids differ)
+  format: int = L.FORMAT_VERSION  # what the unit was written with (layout, image ids)
 
   def to_array(self) -> np.ndarray:
     out = np.zeros(L.COMMIT_LEN, np.int64)

@@ -1,5 +1,7 @@
 """Reads a range of a 1-D zarr3 array of a `file://` store straight from its chunk
-files into one fresh buffer: one copy, from the page cache into the result.
+files into one fresh buffer: one copy, from the page cache into the result. A range
+of tokens of the planar `sequences` array (storage/layout.py) is read the same way,
+each plane into its own buffer.
 
 Through TensorStore the same read copies each chunk into a buffer of its own, decodes
 it into another and copies that into the result, on its thread pools; this is the
@@ -74,3 +76,42 @@ def _check_size(fd: int, path: str, file_bytes: int) -> None:
   have = os.fstat(fd).st_size
   if have != file_bytes:
     raise ChunkFileError(f"chunk file {path} is {have} bytes, not {file_bytes}")
+
+
+def read_planes(array_dir: str, chunk: int, dtypes: list[np.dtype], start: int, stop: int,
+                file_bytes: int) -> list[np.ndarray]:
+  """Tokens [start, stop) of a planar array whose chunk files hold `chunk` tokens as
+  one plane per dtype, in order (plus `file_bytes` - the planes' bytes of checksum):
+  one array per plane. A missing chunk file is an error naming it."""
+  outs = [np.empty(stop - start, dt) for dt in dtypes]
+  raws = [memoryview(o.view(np.uint8)) for o in outs]
+  sizes = [np.dtype(dt).itemsize for dt in dtypes]
+  offsets = np.cumsum([0] + [chunk * z for z in sizes])[:-1].tolist()
+  prefix = os.path.join(array_dir, "c", "")
+  tail = bytearray(file_bytes - offsets[-1] - chunk * sizes[-1] + 1)
+  for k in range(start // chunk, -(-stop // chunk)):
+    lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
+    a, b = lo - start, hi - start
+    path = prefix + str(k)
+    try:
+      fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+      raise ChunkFileError(f"chunk file {path} is missing") from None
+    try:
+      if hi - lo == chunk:
+        # The whole file in one call, straight into the planes; the byte past the
+        # file's end tells a short or a long file without an fstat.
+        bufs = [r[a * z:b * z] for r, z in zip(raws, sizes)] + [tail]
+        got, want = os.preadv(fd, bufs, 0), file_bytes
+      else:
+        _check_size(fd, path, file_bytes)
+        got = want = 0
+        for r, z, o in zip(raws, sizes, offsets):
+          want += (b - a) * z
+          got += os.preadv(fd, [r[a * z:b * z]], o + (lo - k * chunk) * z)
+      if got != want:
+        _check_size(fd, path, file_bytes)  # names the size when it is the size
+        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
+    finally:
+      os.close(fd)
+  return outs

@@ -42,7 +42,8 @@ def blake2b_image_id(image: np.ndarray) -> str:
   return h.hexdigest()
 
 
-_ID_FUNCTIONS = {1: blake2b_image_id, FORMAT_VERSION: image_id}
+# Formats 2 and 3 differ in the sequences' layout only.
+_ID_FUNCTIONS = {1: blake2b_image_id, 2: image_id, FORMAT_VERSION: image_id}
 
 
 def id_function(format_version: int):

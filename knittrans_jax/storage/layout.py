@@ -3,7 +3,11 @@
 A unit at `{root}/{unit}/` holds resizable-by-sparsity zarr3 arrays (shape 2**40,
 chunks written on demand, so appends never rewrite array metadata):
 
-  tokens, logprobs, loss_mask   jagged per-token payload, full sequence per row
+  sequences                     uint8 jagged per-token payload, full sequence per
+                                row: chunk k holds tokens [kC, (k+1)C) (C =
+                                StoreSchema.token_chunk) as three planes, the
+                                token ids (int32), then their log-probs (float32),
+                                then their loss mask (uint8): 9 bytes per token
   rows                          int64 [rows, ROW_COLS] per-trajectory columns
   reward                        float64 [rows]
   image_refs                    int64 jagged: image-table indices of each row
@@ -15,6 +19,10 @@ chunks written on demand, so appends never rewrite array metadata):
 With StoreSchema.dedup_images (the default) the image table holds each image once
 and `image_refs` of many rows point at it; without, every reference of every row
 has its own row (its own copy) in the table.
+
+Units of formats 1 and 2 hold the three planes as three arrays (tokens, logprobs,
+loss_mask); they are read, not appended to. One file per chunk for all three cuts
+the files an append writes and a read opens by three (docs/storage.md, Measured).
 
 The commit marker holds the committed extent of every array and is written last,
 as a single chunk (one key: replaced atomically by every kvstore driver), so a
@@ -30,10 +38,11 @@ import tensorstore as ts
 
 from knittrans_jax.storage.schema import StoreSchema
 
-# Format 2 keys images by xxh3-128 (format 1: blake2b-128); the layout is the same.
-# Format 1 units are read; a writer appends to one only if it holds no image.
-FORMAT_VERSION = 2
-READABLE_FORMATS = (1, 2)
+# Format 3 stores the sequences in one planar array; formats 1 and 2 in three arrays.
+# Format 2 keys images by xxh3-128 as format 3 does; format 1 by blake2b-128.
+# Units of older formats are read; a writer appends to one only while it is empty.
+FORMAT_VERSION = 3
+READABLE_FORMATS = (1, 2, 3)
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
 
@@ -58,7 +67,24 @@ IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16),
 
 # Fill values are impossible for committed data, so a chunk file that went missing
 # inside the committed range reads back as detectably invalid, not as silent zeros.
-TOKEN_FILL, MASK_FILL, ROWS_FILL = -1, 255, -1
+# The planar array's fill byte 255 reads as token -1, log-prob NaN and mask 255.
+TOKEN_FILL, MASK_FILL, ROWS_FILL, SEQ_FILL = -1, 255, -1, 255
+
+# The planes of `sequences`, in their order within a chunk; the arrays of formats 1-2.
+SEQ_FIELDS = (("tokens", np.dtype(np.int32)), ("logprobs", np.dtype(np.float32)),
+              ("loss_mask", np.dtype(np.uint8)))
+SEQ_BYTES = sum(dt.itemsize for _, dt in SEQ_FIELDS)  # per token
+
+
+def seq_plane_offsets(token_chunk: int) -> list[int]:
+  """Byte offset of each plane (SEQ_FIELDS order) within a `sequences` chunk."""
+  ends = np.cumsum([0] + [dt.itemsize * token_chunk for _, dt in SEQ_FIELDS])
+  return [int(e) for e in ends[:-1]]
+
+
+def payload_arrays(format_version: int) -> tuple[str, ...]:
+  """The names of the arrays that hold the sequences in units of a format."""
+  return ("sequences",) if format_version >= 3 else tuple(name for name, _ in SEQ_FIELDS)
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -173,15 +199,22 @@ def array_spec(url: str, dtype: str, shape: list[int], chunk: list[int], fill,
   }
 
 
-def unit_arrays(unit_url: str, schema: StoreSchema) -> dict[str, dict]:
-  """The zarr3 spec of every array of a unit, by name."""
+def unit_arrays(unit_url: str, schema: StoreSchema,
+                format_version: int = FORMAT_VERSION) -> dict[str, dict]:
+  """The zarr3 spec of every array of a unit of a format, by name."""
   tc, rc, pay = schema.token_chunk, schema.row_chunk, schema.payload_checksum
   M = MAX_EXTENT
   j = lambda name: join(unit_url, name)
+  if format_version >= 3:
+    payload = {"sequences": array_spec(j("sequences"), "uint8", [M], [SEQ_BYTES * tc],
+                                       SEQ_FILL, pay)}
+  else:
+    payload = {
+        "tokens": array_spec(j("tokens"), "int32", [M], [tc], TOKEN_FILL, pay),
+        "logprobs": array_spec(j("logprobs"), "float32", [M], [tc], "NaN", pay),
+        "loss_mask": array_spec(j("loss_mask"), "uint8", [M], [tc], MASK_FILL, pay)}
   return {
-      "tokens": array_spec(j("tokens"), "int32", [M], [tc], TOKEN_FILL, pay),
-      "logprobs": array_spec(j("logprobs"), "float32", [M], [tc], "NaN", pay),
-      "loss_mask": array_spec(j("loss_mask"), "uint8", [M], [tc], MASK_FILL, pay),
+      **payload,
       "rows": array_spec(j("rows"), "int64", [M, ROW_COLS], [rc, ROW_COLS], ROWS_FILL, True),
       "reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True),
       "image_refs": array_spec(j("image_refs"), "int64", [M], [rc], ROWS_FILL, True),
@@ -195,9 +228,13 @@ def unit_arrays(unit_url: str, schema: StoreSchema) -> dict[str, dict]:
   }
 
 
-def open_unit_arrays(unit_url: str, schema: StoreSchema, create: bool) -> dict[str, ts.TensorStore]:
-  """Opens (optionally creating) every array of a unit, concurrently."""
+def open_unit_arrays(unit_url: str, schema: StoreSchema, create: bool,
+                     format_version: int = FORMAT_VERSION,
+                     names=None) -> dict[str, ts.TensorStore]:
+  """Opens (optionally creating) the arrays of a unit (all, or those in `names`),
+  concurrently."""
   ctx = context(schema.durable)
+  specs = unit_arrays(unit_url, schema, format_version)
   futures = {name: ts.open(spec, create=create, open=True, context=ctx)
-             for name, spec in unit_arrays(unit_url, schema).items()}
+             for name, spec in specs.items() if names is None or name in names}
   return {name: f.result() for name, f in futures.items()}

@@ -1,10 +1,11 @@
 """Asynchronous, batched payload reads for a list of trajectories.
 
-Consecutive rows of a unit are coalesced into one range read per array (a whole
-unit read is one read per array); all reads go out in one `ts.Batch` so the
-kvstore can overlap them. `.result()` waits, checks what came back, and slices.
-Payload and image bytes of local (file://) units are read straight from their chunk
-files instead, when the read is issued (UnitReader.read_flat, storage/file_chunks.py).
+Consecutive rows of a unit are coalesced into one range read of its sequences (a
+whole unit read is one read); all reads go out in one `ts.Batch` so the kvstore can
+overlap them. `.result()` waits, checks what came back, and slices. Sequence and
+image bytes of local (file://) units are read straight from their chunk files
+instead, when the read is issued (UnitReader.read_sequences and .read_flat,
+storage/file_chunks.py).
 
 Every image read is checked against its id, the content hash the writer stored
 (xxh3-128, about 0.16 ms for a 2.4 MB image here): a damaged, missing or swapped
@@ -114,28 +115,25 @@ class ReadFuture:
       for run in self._runs:
         unit = units[run[0]]
         reader = reader_of(unit)
-        futs = {name: reader.read_flat(name, self._starts[run[0]], self._ends[run[-1]], batch)
-                for name in _SEQ_ARRAYS}
-        self._futures.append((unit, run, futs))
+        self._futures.append((unit, run, reader.read_sequences(
+            self._starts[run[0]], self._ends[run[-1]], batch)))
       for img in self._images:
         start, end, _, _ = img.reader.image_at(img.table_row)
         # The content hash checks every image read: its chunks' crc32c is not needed.
         img.future = img.reader.read_flat("images/data", start, end, batch, checked_elsewhere=True)
 
   def done(self) -> bool:
-    return all(f.done() for _, _, fs in self._futures for f in fs.values()) and all(
+    return all(f.done() for _, _, f in self._futures) and all(
         img.future.done() for img in self._images)
 
   def result(self) -> Payload:
     n = len(self._metas)
     out = {name: [None] * n for name in _SEQ_ARRAYS}
-    for unit, run, futs in self._futures:
-      arrays = {}
-      for name, fut in futs.items():
-        try:
-          arrays[name] = fut.result()
-        except Exception as e:
-          raise CorruptUnitError(unit, f"reading {name} failed: {e}") from e
+    for unit, run, fut in self._futures:
+      try:
+        arrays = dict(zip(_SEQ_ARRAYS, fut.result()))
+      except Exception as e:
+        raise CorruptUnitError(unit, f"reading the sequences failed: {e}") from e
       # Fill values mark chunks that are missing inside the committed range (through
       # TensorStore), and values no writer stores mark damaged ones (a chunk's head
       # overwritten, faults/corrupt_chunk.py). Reductions (NaN propagates through
@@ -145,9 +143,11 @@ class ReadFuture:
         raise CorruptUnitError(unit, "payload chunk missing inside the committed range "
                                f"(rows {self._metas[run[0]].row}..{self._metas[run[-1]].row})")
       arrays["loss_mask"] = arrays["loss_mask"].view(np.bool_)
-      base = self._starts[run[0]]
-      cuts = [slice(self._starts[i] - base, self._ends[i] - base) for i in run]
       whole = len(run) == n and run == list(range(n))  # one run, in the order asked
+      starts, ends = ((self._starts, self._ends) if whole else
+                      ([self._starts[i] for i in run], [self._ends[i] for i in run]))
+      shift = (-starts[0]).__add__  # offsets within the run's buffer; map runs in C
+      cuts = list(map(slice, map(shift, starts), map(shift, ends)))
       for name, arr in arrays.items():  # views into the run's buffer, no copies
         views = list(map(arr.__getitem__, cuts))
         if whole:

@@ -7,6 +7,11 @@ import json
 import gin
 
 
+# Defaults of the fields chosen when a store is created (StoreSchema.for_store).
+DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 17, 1 << 15, 512
+_CHOSEN_AT_CREATE = ("token_chunk", "row_chunk")
+
+
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class StoreSchema:
@@ -14,10 +19,16 @@ class StoreSchema:
 
   sources: names of the data sources; a trajectory of any other source is refused.
   max_prompt_len / max_response_len: longest sequences accepted on append.
-  token_chunk: elements per chunk of the jagged token arrays. Small chunks keep
-    micro-batch reads (a few k tokens) from reading whole large chunks; 32k int32
-    elements (128 KiB) measured best for mixed sequential and random reads here.
-  row_chunk: rows per chunk of the per-trajectory columns.
+  token_chunk: tokens per chunk of the `sequences` array (9 bytes each: id, log-prob,
+    loss mask). None (the default) is chosen when the store is created: 131072
+    (1.1 MiB chunk files) for a `file://` store without payload_checksum, whose reads
+    take just the bytes they need from each file, so larger files only cut the
+    files a read opens; 32768 (288 KiB) otherwise, where every read fetches (and
+    checks) whole chunks, so a micro-batch read of a few k tokens stays small. An
+    append rewrites the boundary chunk from its start, so larger chunks write more
+    bytes per append (docs/storage.md, Measured).
+  row_chunk: rows per chunk of the per-trajectory columns; None: 512 for a new
+    store (an append of a few rows rewrites its boundary chunk whole).
   image_chunk_bytes: bytes per chunk of the image table's data.
   payload_checksum: add a crc32c to every payload chunk (token arrays, images).
     Metadata (rows, image index, commit marker) is always checksummed. Truncated
@@ -34,8 +45,8 @@ class StoreSchema:
   sources: tuple[str, ...] = ("math", "code", "chat")
   max_prompt_len: int = 4096
   max_response_len: int = 8192
-  token_chunk: int = 1 << 15
-  row_chunk: int = 4096
+  token_chunk: int | None = None
+  row_chunk: int | None = None
   image_chunk_bytes: int = 1 << 20
   payload_checksum: bool = False
   durable: bool = False
@@ -48,10 +59,22 @@ class StoreSchema:
     for name in ("max_prompt_len", "max_response_len", "token_chunk", "row_chunk",
                  "image_chunk_bytes"):
       value = getattr(self, name)
-      if not isinstance(value, int) or value <= 0:
+      if value is None and name in _CHOSEN_AT_CREATE:
+        continue
+      if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"StoreSchema.{name} must be a positive int, got {value!r}")
     if not isinstance(self.dedup_images, bool):
       raise ValueError(f"StoreSchema.dedup_images must be a bool, got {self.dedup_images!r}")
+
+  def for_store(self, url: str, existing: "StoreSchema | None" = None) -> "StoreSchema":
+    """This schema with the fields left None chosen: the existing store's values, or
+    those for a new store at `url` (see token_chunk, row_chunk)."""
+    direct = url.startswith("file://") and not self.payload_checksum
+    new = {"token_chunk": DIRECT_TOKEN_CHUNK if direct else KVSTORE_TOKEN_CHUNK,
+           "row_chunk": ROW_CHUNK}
+    chosen = {name: getattr(existing, name) if existing is not None else new[name]
+              for name in _CHOSEN_AT_CREATE if getattr(self, name) is None}
+    return dataclasses.replace(self, **chosen) if chosen else self
 
   def source_index(self, source: str) -> int:
     return self.sources.index(source)

@@ -31,6 +31,9 @@ _REGISTRY = "_units/"
 class TrajectoryStore:
 
   def __init__(self, url: str, schema: StoreSchema):
+    if schema.token_chunk is None or schema.row_chunk is None:
+      raise ValueError("a TrajectoryStore takes a schema with every field set: make one with "
+                       "TrajectoryStore.create or .open, which choose the fields left None")
     self.url = L.normalize_root(url)
     self.schema = schema
     self._kv = L.open_kvstore(self.url, L.context(schema.durable))
@@ -38,15 +41,18 @@ class TrajectoryStore:
 
   @classmethod
   def create(cls, url: str, schema: StoreSchema) -> "TrajectoryStore":
-    """Creates a store, or opens an existing one whose schema equals `schema`."""
+    """Creates a store, or opens an existing one whose schema equals `schema` (its
+    fields left None take the existing store's values)."""
     url = L.normalize_root(url)
     kv = L.open_kvstore(url, L.base_context())
     found = kv.read(_SCHEMA_KEY).result()
     if found.state == "value":
       existing = StoreSchema.from_json(found.value.decode())
+      schema = schema.for_store(url, existing)
       if existing != schema:
         raise SchemaMismatchError(f"store {url} exists with schema {existing}, not {schema}")
     else:
+      schema = schema.for_store(url)
       kv.write(_SCHEMA_KEY, schema.to_json()).result()
     return cls(url, schema)
 

@@ -25,8 +25,12 @@ class UnitReader:
   def __init__(self, root: str, unit: str, schema: StoreSchema):
     self.unit = L.check_unit_name(unit)
     self.schema = schema
+    self._url = L.join(root, unit)
+    # The sequences' arrays depend on the unit's format: opened once it is read.
+    self._format: int | None = None
+    common = set(L.unit_arrays(self._url, schema)) - set(L.payload_arrays(L.FORMAT_VERSION))
     try:
-      self.arrays = L.open_unit_arrays(L.join(root, unit), schema, create=False)
+      self.arrays = L.open_unit_arrays(self._url, schema, create=False, names=common)
     except Exception as e:
       raise CorruptUnitError(unit, f"cannot open its arrays: {e}") from e
     # Image table rows are immutable once committed, so they are cached.
@@ -39,6 +43,13 @@ class UnitReader:
 
   def commit(self) -> Commit:
     commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
+    if commit.format != self._format:
+      try:
+        self.arrays.update(L.open_unit_arrays(self._url, self.schema, False, commit.format,
+                                              names=L.payload_arrays(commit.format)))
+      except Exception as e:
+        raise CorruptUnitError(self.unit, f"cannot open its sequence arrays: {e}") from e
+      self._format = commit.format
     self.image_hash = id_function(commit.format)
     return commit
 
@@ -53,8 +64,8 @@ class UnitReader:
 
   def read_flat(self, name: str, start: int, stop: int, batch=None,
                 checked_elsewhere: bool = False):
-    """A future of elements [start, stop) of a 1-D payload array (tokens, logprobs,
-    loss_mask, images/data). A local unit is read straight from its chunk files
+    """A future of elements [start, stop) of a 1-D payload array (images/data; the
+    tokens, logprobs and loss_mask of format 1-2 units). A local unit is read straight from its chunk files
     (storage/file_chunks.py), at once, unless the array's crc32c must be verified
     here (`payload_checksum`, and the caller does not check the bytes itself); a
     missing chunk is then an error naming its file, unless the caller checks the
@@ -71,6 +82,30 @@ class UnitReader:
           chunk * dtype.itemsize + 4 * self.schema.payload_checksum))
     except (OSError, file_chunks.ChunkFileError) as e:
       return _Ready(error=e)
+
+  def read_sequences(self, start: int, stop: int, batch=None):
+    """A future of tokens [start, stop): (ids, log-probs, loss mask), one array each.
+
+    Format 3 reads each chunk of the planar `sequences` array once for all three:
+    straight from its file for a local unit (unless crc32c must be verified), else
+    whole chunks through TensorStore, split into planes here."""
+    if self._format is None:
+      self.commit()
+    if self._format < 3:
+      return _Joined([self.read_flat(name, start, stop, batch)
+                      for name in L.payload_arrays(self._format)])
+    array, dtypes = self.arrays["sequences"], [dt for _, dt in L.SEQ_FIELDS]
+    chunk = array.chunk_layout.write_chunk.shape[0] // L.SEQ_BYTES
+    if self._dir is not None and not self.schema.payload_checksum:
+      try:
+        return _Ready(tuple(file_chunks.read_planes(
+            self._dir + "sequences", chunk, dtypes, start, stop, L.SEQ_BYTES * chunk)))
+      except (OSError, file_chunks.ChunkFileError) as e:
+        return _Ready(error=e)
+    k0, k1 = start // chunk, -(-stop // chunk)
+    width = L.SEQ_BYTES * chunk
+    return _Planes(array[k0 * width:k1 * width].read(batch=batch), chunk,
+                   start - k0 * chunk, stop - k0 * chunk)
 
   def refresh_images(self, commit: Commit | None = None) -> None:
     commit = commit or self.commit()
@@ -212,3 +247,32 @@ class _Ready:
     if self._error is not None:
       raise self._error
     return self._value
+
+
+class _Joined:
+  """Futures of the three sequence arrays of a format 1-2 unit, as one."""
+
+  def __init__(self, futures):
+    self._futures = futures
+
+  def done(self) -> bool:
+    return all(f.done() for f in self._futures)
+
+  def result(self):
+    return tuple(f.result() for f in self._futures)
+
+
+class _Planes:
+  """Whole chunks of `sequences` read through TensorStore, split into planes."""
+
+  def __init__(self, future: ts.Future, chunk: int, lo: int, hi: int):
+    self._future, self._chunk, self._lo, self._hi = future, chunk, lo, hi
+
+  def done(self) -> bool:
+    return self._future.done()
+
+  def result(self):
+    c = self._chunk
+    chunks = self._future.result().reshape(-1, L.SEQ_BYTES * c)
+    return tuple(np.ascontiguousarray(chunks[:, o:o + c * dt.itemsize]).view(dt).reshape(-1)
+                 [self._lo:self._hi] for o, (_, dt) in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS))

@@ -36,13 +36,18 @@ class UnitWriter:
     self.unit = L.check_unit_name(unit)
     self.schema = schema
     self.url = L.join(root, unit)
-    self._arrays = L.open_unit_arrays(self.url, schema, create=True)
-    self._commit = read_commit(unit, self._arrays["commit"], allow_missing=not registered)
-    if self._commit.format != L.FORMAT_VERSION and self._commit.images:
-      raise StoreError(f"unit '{unit}' holds {self._commit.images} images keyed by the hash of "
-                       f"format {self._commit.format}; this version writes format "
-                       f"{L.FORMAT_VERSION} (xxh3-128 ids) and does not mix the two in a unit: "
-                       "read it as it is, and write new rollouts to a new unit or store")
+    marker = L.open_unit_arrays(self.url, schema, create=True, names=("commit",))
+    self._commit = read_commit(unit, marker["commit"], allow_missing=not registered)
+    c = self._commit
+    if c.format != L.FORMAT_VERSION and (c.rows or c.images):
+      raise StoreError(f"unit '{unit}' holds {c.rows} trajectories and {c.images} images in "
+                       f"format {c.format}; this version writes format {L.FORMAT_VERSION} (the "
+                       "sequences in one planar array, images keyed by xxh3-128) and does not "
+                       "mix formats in a unit: read it as it is, and write new rollouts to a new "
+                       "unit or store")
+    # Opened only now: a unit of an older format must not get this format's arrays.
+    self._arrays = {**marker, **L.open_unit_arrays(
+        self.url, schema, create=True, names=set(L.unit_arrays(self.url, schema)) - {"commit"})}
     if not registered and self._commit == Commit():
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
     self.host = host or socket.gethostname()
@@ -56,7 +61,7 @@ class UnitWriter:
     """The image index and the committed chunk tails, from the commit marker."""
     c = self._commit
     self._chunks = WholeChunkAppender(self._arrays, {
-        "tokens": c.tokens, "logprobs": c.tokens, "loss_mask": c.tokens, "rows": c.rows,
+        "sequences": c.tokens, "rows": c.rows,
         "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
         "images/index": c.images, "images/hash": c.images})
     self._image_index: dict[str, int] = {}
@@ -184,9 +189,8 @@ class UnitWriter:
       rows[:, L.V_FIRST] = packed.version_first
       rows[:, L.V_LAST] = packed.version_last
       rows[:, L.REF_END] = ref_end
-      futures += [write("tokens", c.tokens, packed.tokens),
-                  write("logprobs", c.tokens, packed.logprobs),
-                  write("loss_mask", c.tokens, packed.loss_mask),
+      futures += [self._chunks.write_sequences(
+                      c.tokens, (packed.tokens, packed.logprobs, packed.loss_mask)),
                   write("rows", c.rows, rows), write("reward", c.rows, packed.reward)]
       if refs.size:
         futures.append(write("image_refs", c.refs, refs))
