@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import tensorstore as ts
 
+from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError
 
@@ -52,6 +53,11 @@ def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -
   return commit
 
 
-def write_commit(array: ts.TensorStore, commit: Commit) -> None:
-  # One chunk, one key: kvstore drivers replace it atomically.
-  array.write(commit.to_array()).result()
+def write_commit(array: ts.TensorStore, commit: Commit, local_dir: str | None = None) -> None:
+  """One chunk, one key: kvstore drivers replace it atomically, as the direct write
+  to a local unit's `commit` directory does (temporary file, renamed over)."""
+  if local_dir is None:
+    array.write(commit.to_array()).result()
+  else:
+    file_chunks.replace(file_chunks.chunk_path(local_dir + "commit", 0, 1), commit.to_array(),
+                        checksum=True)

@@ -1,7 +1,11 @@
-"""Reads a range of a 1-D zarr3 array of a `file://` store straight from its chunk
-files into one fresh buffer: one copy, from the page cache into the result. A range
-of tokens of the planar `sequences` array (storage/layout.py) is read the same way,
-each plane into its own buffer.
+"""Reads and writes the chunk files of a `file://` unit directly, without
+TensorStore's kvstore (whose file driver writes every chunk as a lock file plus a
+rename, about 1.3 ms even for the 68-byte commit marker here).
+
+Reads: a range of a 1-D zarr3 array straight from its chunk files into one fresh
+buffer: one copy, from the page cache into the result. A range of tokens of the
+planar `sequences` array (storage/layout.py) is read the same way, each plane into
+its own buffer.
 
 Through TensorStore the same read copies each chunk into a buffer of its own, decodes
 it into another and copies that into the result, on its thread pools; this is the
@@ -10,14 +14,24 @@ without a trailing crc32c). It keeps TensorStore's meaning of the files: chunk
 `c/K` of the default key encoding, a missing chunk reads as the fill value (or is
 an error naming the file, for payload reads), and a chunk file whose size is not the
 chunk's is an error (a truncated or foreign file).
-It does not verify a chunk's crc32c, so callers use it where the checksum is not
-needed: payload arrays without `payload_checksum`, and images, whose content hash is
-checked on every read.
+`read_range` does not verify a chunk's crc32c, so callers use it where the checksum
+is not needed: images, whose content hash is checked on every read, and the arrays
+of format 1-2 units without `payload_checksum`. `read_planes` verifies each file's
+crc32c when it has one.
+
+Writes (storage/whole_chunks.py decides which): `replace` writes a whole chunk file
+(with its crc32c, as the zarr3 `crc32c` codec appends it) to a temporary name and
+renames it over the old one, so a reader sees the old or the new file, never a
+mix; `update` writes bytes into an existing chunk file in place, for bytes past the
+committed extent only, which no reader reads.
 """
 from __future__ import annotations
 
+import ctypes
+import errno
 import os
 
+import google_crc32c
 import numpy as np
 
 from knittrans_jax.storage.errors import StoreError
@@ -79,16 +93,18 @@ def _check_size(fd: int, path: str, file_bytes: int) -> None:
 
 
 def read_planes(array_dir: str, chunk: int, dtypes: list[np.dtype], start: int, stop: int,
-                file_bytes: int) -> list[np.ndarray]:
+                file_bytes: int, checksum: bool = False) -> list[np.ndarray]:
   """Tokens [start, stop) of a planar array whose chunk files hold `chunk` tokens as
-  one plane per dtype, in order (plus `file_bytes` - the planes' bytes of checksum):
-  one array per plane. A missing chunk file is an error naming it."""
+  one plane per dtype, in order: one array per plane. With `checksum` each file
+  ends in the crc32c of its planes, checked here (a chunk read in part is read whole
+  for it). A missing chunk file is an error naming it."""
   outs = [np.empty(stop - start, dt) for dt in dtypes]
   raws = [memoryview(o.view(np.uint8)) for o in outs]
   sizes = [np.dtype(dt).itemsize for dt in dtypes]
-  offsets = np.cumsum([0] + [chunk * z for z in sizes])[:-1].tolist()
+  offsets = np.cumsum([0] + [chunk * z for z in sizes]).tolist()
+  planes_bytes = offsets.pop()
   prefix = os.path.join(array_dir, "c", "")
-  tail = bytearray(file_bytes - offsets[-1] - chunk * sizes[-1] + 1)
+  tail = bytearray(file_bytes - planes_bytes + 1)
   for k in range(start // chunk, -(-stop // chunk)):
     lo, hi = max(start, k * chunk), min(stop, (k + 1) * chunk)
     a, b = lo - start, hi - start
@@ -103,6 +119,16 @@ def read_planes(array_dir: str, chunk: int, dtypes: list[np.dtype], start: int, 
         # file's end tells a short or a long file without an fstat.
         bufs = [r[a * z:b * z] for r, z in zip(raws, sizes)] + [tail]
         got, want = os.preadv(fd, bufs, 0), file_bytes
+        if got == want and checksum:
+          _check_crc(path, [o[a:b] for o in outs], tail[:4])
+      elif checksum:  # the whole file, to check it, then the part asked for
+        whole = np.empty(file_bytes + 1, np.uint8)
+        got, want = os.preadv(fd, [whole], 0), file_bytes
+        if got == want:
+          _check_crc(path, [whole[:planes_bytes]], whole[planes_bytes:file_bytes].tobytes())
+          at = lo - k * chunk
+          for r, z, o in zip(raws, sizes, offsets):
+            r[a * z:b * z] = whole[o + at * z:o + (at + b - a) * z]
       else:
         _check_size(fd, path, file_bytes)
         got = want = 0
@@ -115,3 +141,85 @@ def read_planes(array_dir: str, chunk: int, dtypes: list[np.dtype], start: int, 
     finally:
       os.close(fd)
   return outs
+
+
+def _check_crc(path: str, parts: list[np.ndarray], stored) -> None:
+  """The crc32c of the parts' bytes, in order, against the 4 bytes stored after them."""
+  crc = 0
+  for part in parts:
+    frozen = part.view(np.uint8)
+    frozen.flags.writeable = False  # what google_crc32c takes without a copy
+    crc = google_crc32c.extend(crc, frozen)
+  if crc != int.from_bytes(bytes(stored), "little"):
+    raise ChunkFileError(f"chunk file {path}: crc32c mismatch (its bytes are damaged)")
+
+
+def chunk_path(array_dir: str, index: int, ndim: int) -> str:
+  """The file of chunk `index` along axis 0 (the default key encoding; arrays of more
+  dimensions hold all of their other axes in one chunk)."""
+  return os.path.join(array_dir, "c", str(index), *["0"] * (ndim - 1))
+
+
+def replace(path: str, data: np.ndarray, checksum: bool) -> None:
+  """Writes a whole chunk file (a C-contiguous array's bytes, then its crc32c if
+  `checksum`) atomically: to a temporary file, then renamed over."""
+  tmp = path + ".__knittrans_tmp"
+  try:
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  except FileNotFoundError:  # the chunk's directory, on a unit's first write to it
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+  try:
+    raw = data.reshape(-1).view(np.uint8)
+    parts = [raw]
+    if checksum:
+      frozen = raw.view()
+      frozen.flags.writeable = False  # what google_crc32c takes without a copy
+      parts.append(google_crc32c.value(frozen).to_bytes(4, "little"))
+    want = sum(len(p) for p in parts)
+    if os.writev(fd, parts) != want:
+      raise ChunkFileError(f"chunk file {tmp}: short write")
+  finally:
+    os.close(fd)
+  _rename_over(tmp, path)
+
+
+# ext4 (its default auto_da_alloc) starts writeback of a file renamed over another,
+# 0.2-1 ms per chunk here; exchanging the two names (renameat2 RENAME_EXCHANGE) and
+# removing the old file does not, and a reader still finds one whole file at `path`.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_RENAMEAT2 = getattr(_LIBC, "renameat2", None)
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+
+
+def _rename_over(tmp: str, path: str) -> None:
+  global _RENAMEAT2
+  if _RENAMEAT2 is not None:
+    if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), _RENAME_EXCHANGE) == 0:
+      os.unlink(tmp)  # the old file, now under the temporary name
+      return
+    err = ctypes.get_errno()
+    if err in _NO_EXCHANGE:  # not on this kernel or file system: plain renames from now on
+      _RENAMEAT2 = None
+    elif err != errno.ENOENT:  # ENOENT: no file at `path` yet, nothing to exchange
+      raise OSError(err, os.strerror(err), path)
+  os.rename(tmp, path)
+
+
+def update(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]]) -> bool:
+  """Writes each (offset, bytes) of `pieces` into the chunk file in place, if it
+  exists with the size of a whole chunk; False (nothing written) if it does not."""
+  try:
+    fd = os.open(path, os.O_WRONLY)
+  except FileNotFoundError:
+    return False
+  try:
+    if os.fstat(fd).st_size != file_bytes:
+      return False
+    for offset, data in pieces:
+      if os.pwrite(fd, data, offset) != len(data):
+        raise ChunkFileError(f"chunk file {path}: short write at {offset}")
+  finally:
+    os.close(fd)
+  return True

@@ -87,8 +87,8 @@ class UnitReader:
     """A future of tokens [start, stop): (ids, log-probs, loss mask), one array each.
 
     Format 3 reads each chunk of the planar `sequences` array once for all three:
-    straight from its file for a local unit (unless crc32c must be verified), else
-    whole chunks through TensorStore, split into planes here."""
+    straight from its file for a local unit (checking its crc32c, if it has one),
+    else whole chunks through TensorStore, split into planes here."""
     if self._format is None:
       self.commit()
     if self._format < 3:
@@ -96,10 +96,12 @@ class UnitReader:
                       for name in L.payload_arrays(self._format)])
     array, dtypes = self.arrays["sequences"], [dt for _, dt in L.SEQ_FIELDS]
     chunk = array.chunk_layout.write_chunk.shape[0] // L.SEQ_BYTES
-    if self._dir is not None and not self.schema.payload_checksum:
+    if self._dir is not None:
+      crc = self.schema.payload_checksum
       try:
         return _Ready(tuple(file_chunks.read_planes(
-            self._dir + "sequences", chunk, dtypes, start, stop, L.SEQ_BYTES * chunk)))
+            self._dir + "sequences", chunk, dtypes, start, stop, L.SEQ_BYTES * chunk + 4 * crc,
+            crc)))
       except (OSError, file_chunks.ChunkFileError) as e:
         return _Ready(error=e)
     k0, k1 = start // chunk, -(-stop // chunk)

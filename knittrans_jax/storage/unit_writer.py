@@ -17,6 +17,7 @@ from typing import Sequence
 
 import numpy as np
 
+from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit, write_commit
 from knittrans_jax.storage.errors import StoreError
@@ -54,6 +55,9 @@ class UnitWriter:
     info = {"unit": unit, "host": self.host, "pid": os.getpid(), "opened_unix": time.time()}
     kv = L.open_kvstore(self.url, L.context(schema.durable))
     kv.write("unit.json", json.dumps(info)).result()
+    # A local unit is written straight to its chunk files (storage/file_chunks.py),
+    # except with `durable`, where TensorStore's file driver does the fsyncs.
+    self._dir = None if schema.durable else file_chunks.local_path(self.url)
     self._load_committed()
     self._unsure = False  # a commit marker write failed: did it land? (see _write)
 
@@ -63,7 +67,7 @@ class UnitWriter:
     self._chunks = WholeChunkAppender(self._arrays, {
         "sequences": c.tokens, "rows": c.rows,
         "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
-        "images/index": c.images, "images/hash": c.images})
+        "images/index": c.images, "images/hash": c.images}, self._dir)
     self._image_index: dict[str, int] = {}
     if self._commit.images:
       hashes = self._arrays["images/hash"][: self._commit.images].read().result()
@@ -217,7 +221,7 @@ class UnitWriter:
                        f"(unit still at {c.rows} rows): {errors[0]}") from errors[0]
     new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
     try:
-      write_commit(self._arrays["commit"], new)  # last: this makes the rows visible
+      write_commit(self._arrays["commit"], new, self._dir)  # last: this makes the rows visible
     except Exception as e:
       # On a remote store the marker may have landed with only its answer lost, or
       # land later from a request still in flight: ask now, and ask again before the

@@ -14,6 +14,14 @@ The planar `sequences` array (storage/layout.py) is appended to the same way, in
 tokens: its tail is the committed tokens of the boundary chunk, one array per plane,
 and each chunk written is assembled from the planes.
 
+A local unit (`local_dir`: `file://`, not `durable`) is written straight to its chunk
+files (storage/file_chunks.py). Chunks with a crc32c are replaced whole, as above.
+Chunks of `sequences` without one are written in place: only the new tokens' bytes of
+each plane, into the existing file of the boundary chunk; committed bytes are never
+written, so a reader (which reads committed bytes only) and a crash mid-append see
+the committed data unchanged. A chunk whose file is missing or not a whole chunk
+(the first append to it, or one a crashed append left short) is replaced whole.
+
 A tail becomes the committed one only once its append commits (`commit()`); after a
 failed append the next one writes from the committed tail again.
 """
@@ -22,18 +30,32 @@ from __future__ import annotations
 import numpy as np
 import tensorstore as ts
 
+from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
+
+
+class Written:
+  """A direct write, done (or failed) when issued, with a TensorStore future's face."""
+
+  def __init__(self, error: Exception | None = None):
+    self._error = error
+
+  def result(self):
+    if self._error is not None:
+      raise self._error
 
 
 class WholeChunkAppender:
   """Tails of the arrays named in `extents` (name -> committed length along axis 0,
   in tokens for the planar `sequences`)."""
 
-  def __init__(self, arrays: dict[str, ts.TensorStore], extents: dict[str, int]):
-    self._arrays = arrays
-    self._chunk, self._fill, reads = {}, {}, {}
+  def __init__(self, arrays: dict[str, ts.TensorStore], extents: dict[str, int],
+               local_dir: str | None = None):
+    self._arrays, self._dir = arrays, local_dir
+    self._chunk, self._fill, self._crc, reads = {}, {}, {}, {}
     for name, n in extents.items():
       rows = arrays[name].chunk_layout.write_chunk.shape[0]
+      self._crc[name] = any(c["name"] == "crc32c" for c in arrays[name].codec.to_json()["codecs"])
       if name == "sequences":  # chunks of `rows` bytes, token_chunk tokens
         self._chunk[name] = rows // L.SEQ_BYTES
         k = n // self._chunk[name]
@@ -57,9 +79,9 @@ class WholeChunkAppender:
     return tuple(chunk_bytes[o:o + j * dt.itemsize].view(dt)
                  for o, (_, dt) in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS))
 
-  def write(self, name: str, extent: int, data: np.ndarray) -> ts.Future:
+  def write(self, name: str, extent: int, data: np.ndarray):
     """Writes `data` at [extent, extent + len(data)) as whole chunks; `extent` is the
-    committed length of the array (the tail's end)."""
+    committed length of the array (the tail's end). Returns a future."""
     c, tail = self._chunk[name], self._tails[name]
     start = self._start(name, extent)
     if extent - start != len(tail):
@@ -72,31 +94,72 @@ class WholeChunkAppender:
     block[len(tail):len(tail) + len(data)] = data
     block[len(tail) + len(data):] = self._fill[name]
     self._pending[name] = block[end - start - end % c:end - start].copy()
-    return self._arrays[name][start:padded_end].write(block)
+    if self._dir is None:
+      return self._arrays[name][start:padded_end].write(block)
+    try:
+      for i in range(0, len(block), c):
+        file_chunks.replace(file_chunks.chunk_path(self._dir + name, (start + i) // c, block.ndim),
+                            block[i:i + c], self._crc[name])
+    except Exception as e:
+      return Written(e)
+    return Written()
 
-  def write_sequences(self, extent: int, planes: tuple[np.ndarray, ...]) -> ts.Future:
+  def write_sequences(self, extent: int, planes: tuple[np.ndarray, ...]):
     """Writes tokens [extent, extent + n) of `sequences` as whole chunks: `planes` are
-    the n tokens' ids, log-probs and loss mask (SEQ_FIELDS order and dtypes)."""
+    the n tokens' ids, log-probs and loss mask (SEQ_FIELDS order and dtypes). Returns
+    a future."""
     c, tail = self._chunk["sequences"], self._tails["sequences"]
     start = extent - extent % c
     if extent - start != len(tail[0]):
       raise AssertionError(f"sequences: tail of {len(tail[0])} tokens, but the extent {extent} "
                            f"leaves {extent - start} in its chunk")
-    used = extent - start + len(planes[0])  # tokens from the first chunk's start
-    chunks = -(-used // c)
+    planes = tuple(np.ascontiguousarray(p, dt) for p, (_, dt) in zip(planes, L.SEQ_FIELDS))
+    end = extent + len(planes[0])
+    last = end - end % c  # the first token of the partly filled last chunk
+    self._pending["sequences"] = tuple(
+        np.concatenate([t, p]) if last == start else p[last - extent:].copy()
+        for t, p in zip(tail, planes))
+    if self._dir is None or self._crc["sequences"]:
+      block = self._chunks_of(start, end, tail, planes, extent)
+      if self._dir is None:
+        lo = start * L.SEQ_BYTES
+        return self._arrays["sequences"][lo:lo + block.size].write(block.reshape(-1))
+    try:
+      offsets = L.seq_plane_offsets(c)
+      for k in range(start // c, -(-end // c)):
+        path = file_chunks.chunk_path(self._dir + "sequences", k, 1)
+        if self._crc["sequences"]:
+          file_chunks.replace(path, block[k - start // c], True)
+          continue
+        lo, hi = max(extent, k * c), min(end, (k + 1) * c)  # the new tokens of chunk k
+        pieces = [(o + (lo - k * c) * dt.itemsize,
+                   memoryview(p[lo - extent:hi - extent]).cast("B"))
+                  for o, (_, dt), p in zip(offsets, L.SEQ_FIELDS, planes)]
+        if not file_chunks.update(path, L.SEQ_BYTES * c, pieces):
+          whole = self._chunks_of(k * c, hi, tail if k * c == start else None, planes, extent)
+          file_chunks.replace(path, whole[0], False)
+    except Exception as e:
+      return Written(e)
+    return Written()
+
+  def _chunks_of(self, first: int, end: int, tail, planes, extent: int) -> np.ndarray:
+    """Whole chunks [first // c, ceil(end / c)) of `sequences`, uint8 [chunks, bytes]:
+    the tail (if `first` is the boundary chunk's start), the planes' tokens from
+    `extent` on, and the fill value past `end`."""
+    c = self._chunk["sequences"]
+    chunks = -(-end // c) - first // c
     block = np.full((chunks, L.SEQ_BYTES * c), L.SEQ_FILL, np.uint8)
-    pending = []
-    for o, (_, dt), old, new in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS, tail, planes):
-      values = np.concatenate([old, np.asarray(new, dt)]).view(np.uint8)
-      w = c * dt.itemsize
-      full = used // c
-      block[:full, o:o + w] = values[:full * w].reshape(full, w)
+    for o, (_, dt), old, new in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS,
+                                    tail if tail is not None else [None] * 3, planes):
+      values = new[max(first - extent, 0):end - extent]
+      if old is not None:
+        values = np.concatenate([old, values])
+      flat, w = values.view(np.uint8), c * dt.itemsize
+      full = len(values) // c
+      block[:full, o:o + w] = flat[:full * w].reshape(full, w)
       if full < chunks:  # the last chunk, partly filled
-        block[full, o:o + (used - full * c) * dt.itemsize] = values[full * w:]
-      pending.append(values[full * w:].view(dt).copy())
-    self._pending["sequences"] = tuple(pending)
-    lo = start // c * L.SEQ_BYTES * c
-    return self._arrays["sequences"][lo:lo + block.size].write(block.reshape(-1))
+        block[full, o:o + (len(values) - full * c) * dt.itemsize] = flat[full * w:]
+    return block
 
   def commit(self) -> None:
     """The append's writes are committed: their tails are the committed ones now."""
