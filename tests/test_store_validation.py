@@ -118,8 +118,10 @@ def test_chunk_sizes_left_unset_are_chosen_where_the_store_is_created(tmp_path):
   assert (local.schema.token_chunk, local.schema.row_chunk) == (DIRECT_TOKEN_CHUNK, ROW_CHUNK)
   # Whole chunks are read (and crc32c-checked) there: small ones.
   checked = TrajectoryStore.create(f"file://{tmp_path}/b", StoreSchema(payload_checksum=True))
+  durable = TrajectoryStore.create(f"file://{tmp_path}/d", StoreSchema(durable=True))
   remote = TrajectoryStore.create("memory://chosen_chunks", StoreSchema())
-  assert checked.schema.token_chunk == remote.schema.token_chunk == KVSTORE_TOKEN_CHUNK
+  assert (checked.schema.token_chunk == durable.schema.token_chunk == remote.schema.token_chunk
+          == KVSTORE_TOKEN_CHUNK)
   # An existing store keeps its own; what was set must match it.
   TrajectoryStore.create(f"file://{tmp_path}/c", StoreSchema(token_chunk=64, row_chunk=8))
   again = TrajectoryStore.create(f"file://{tmp_path}/c", StoreSchema())

@@ -74,7 +74,8 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path,
     np.testing.assert_array_equal(payload.images[im.id], im.array)
   commit = fresh.reader("u").commit()
   assert commit.images == 6 and commit.rows == 12 * N
-  # Past the committed extent, the last chunks hold fill values.
+  # Past the committed extent, the last chunks hold fill values (later appends wrote
+  # over the failed one's bytes).
   arrays = fresh.reader("u").arrays
   k, j = divmod(commit.tokens, 64)
   assert j, "the test wants a partly filled last chunk"
@@ -84,14 +85,23 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path,
   assert np.isnan(arrays["reward"][commit.rows:-(-commit.rows // 4) * 4].read().result()).all()
 
 
-@pytest.mark.parametrize("checksum,exchange", [(False, True), (True, True), (False, False)])
-def test_direct_writes_equal_tensorstore_writes(tmp_path, monkeypatch, checksum, exchange):
+@pytest.mark.parametrize("checksum,exchange,local", [
+    (False, True, True), (True, True, True), (False, False, True), (False, True, False)])
+def test_direct_writes_equal_tensorstore_writes(tmp_path, monkeypatch, checksum, exchange, local):
   """A local unit's chunk files, written directly (in place for `sequences` without
-  crc32c; replaced by exchanging names, or by plain renames where the kernel cannot
-  exchange), hold the bytes TensorStore's writes (durable: its file driver) leave."""
+  crc32c on a local file system, else replaced whole; replaced by exchanging names,
+  or by plain renames where the kernel cannot exchange), hold the bytes TensorStore's
+  writes (durable: its file driver) leave."""
   import os
-  if not exchange:
-    monkeypatch.setattr(file_chunks, "_RENAMEAT2", None)
+  exchanges, renameat2 = [], file_chunks._RENAMEAT2
+  if exchange and renameat2 is None:
+    pytest.skip("no renameat2 RENAME_EXCHANGE on this kernel, libc or file system")
+
+  def counted(*args):
+    exchanges.append(renameat2(*args))
+    return exchanges[-1]
+  monkeypatch.setattr(file_chunks, "_RENAMEAT2", counted if exchange else None)
+  monkeypatch.setattr(file_chunks, "local_file_system", lambda path: local)
   rng = np.random.default_rng(SEED)
   images = [Image.of(rng.integers(0, 255, (7, 9), dtype=np.uint8)) for _ in range(6)]
   files = {}
@@ -114,6 +124,8 @@ def test_direct_writes_equal_tensorstore_writes(tmp_path, monkeypatch, checksum,
     assert files[False][key] == data, key
 
   assert not [k for k in files[False] if "tmp" in k]  # no temporary file is left behind
+  if exchange:  # names were exchanged (0), not only renamed
+    assert exchanges.count(0) > 10, exchanges[:20]
 
 
 def test_a_boundary_chunk_file_of_the_wrong_size_is_rewritten_whole(tmp_path):
@@ -132,3 +144,66 @@ def test_a_boundary_chunk_file_of_the_wrong_size_is_rewritten_whole(tmp_path):
   assert os.path.getsize(path) == 64 * L.SEQ_BYTES
   fresh = TrajectoryStore.open(store.url)
   check_payload(fresh.read(fresh.list_committed("u")).result(), SEED, N)
+
+
+def _trajectory(gid: int, length: int):
+  """A trajectory of `length` tokens (8 of them prompt), values set by gid."""
+  from knittrans_jax.types import Trajectory
+  rng = np.random.default_rng(gid)
+  r = length - 8
+  return Trajectory(prompt_tokens=rng.integers(0, 999, 8, dtype=np.int32),
+                    response_tokens=rng.integers(0, 999, r, dtype=np.int32),
+                    logprobs=-rng.random(r, dtype=np.float32), loss_mask=rng.random(r) < 0.7,
+                    reward=float(gid), source=SOURCES[0], group_id=gid, index_in_group=0,
+                    versions=(0,))
+
+
+def test_appends_at_chunk_edges_and_a_failed_sequences_write(tmp_path, monkeypatch):
+  """Appends that exactly fill a chunk, span four, and one whose in-place write of
+  `sequences` fails midway, then shorter appends over its bytes and a reopened
+  writer: every committed token reads back as written."""
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", SCHEMA)  # 64 tokens per chunk
+  w = store.writer("u")
+  done = []
+  for gid, length in ((0, 64), (1, 200)):  # fills chunk 0; spans chunks 1-4
+    w.append([_trajectory(gid, length)])
+    done.append(gid)
+  assert w.commit.tokens == 264
+  real_update = file_chunks.update
+
+  def fail_after_one(path, file_bytes, pieces):
+    real_update(path, file_bytes, pieces[:1])  # the ids land, then the disk fails
+    raise OSError("injected failure mid-write")
+  monkeypatch.setattr(file_chunks, "update", fail_after_one)
+  with pytest.raises(StoreError, match="injected failure mid-write"):
+    w.append([_trajectory(2, 150)])
+  monkeypatch.setattr(file_chunks, "update", real_update)
+  assert w.commit.tokens == 264
+  for gid, length in ((3, 10), (4, 60)):  # over the failed append's bytes
+    w.append([_trajectory(gid, length)])
+    done.append(gid)
+  w = TrajectoryStore.open(store.url).writer("u")  # resumes from the store mid-chunk
+  w.append([_trajectory(5, 70)])
+  done.append(5)
+  fresh = TrajectoryStore.open(store.url)
+  metas = fresh.list_committed("u")
+  assert [m.group_id for m in metas] == done
+  payload = fresh.read(metas).result()
+  for m, tok, lp, mask in zip(metas, payload.tokens, payload.logprobs, payload.loss_mask):
+    t = _trajectory(m.group_id, m.length)
+    np.testing.assert_array_equal(tok, np.concatenate([t.prompt_tokens, t.response_tokens]))
+    np.testing.assert_array_equal(lp[8:], t.logprobs)
+    np.testing.assert_array_equal(mask[8:], t.loss_mask)
+
+
+def test_a_missing_boundary_chunk_is_not_appended_over(tmp_path):
+  """A writer opening a unit whose last, partly filled chunk is gone refuses it (the
+  chunk would read as fill values and be written back as if they were data)."""
+  import os
+
+  from knittrans_jax.storage import CorruptUnitError
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", SCHEMA)
+  store.writer("u").append([_trajectory(0, 100)])  # chunk 1 holds tokens 64..99
+  os.remove(tmp_path / "s" / "u" / "sequences" / "c" / "1")
+  with pytest.raises(CorruptUnitError, match="'u'.*last chunk of its sequences array"):
+    TrajectoryStore.open(store.url).writer("u")

@@ -162,7 +162,7 @@ def chunk_path(array_dir: str, index: int, ndim: int) -> str:
 
 def replace(path: str, data: np.ndarray, checksum: bool) -> None:
   """Writes a whole chunk file (a C-contiguous array's bytes, then its crc32c if
-  `checksum`) atomically: to a temporary file, then renamed over."""
+  `checksum`) atomically: to a temporary file, then put in the chunk's place."""
   tmp = path + ".__knittrans_tmp"
   try:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -170,27 +170,36 @@ def replace(path: str, data: np.ndarray, checksum: bool) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
   try:
-    raw = data.reshape(-1).view(np.uint8)
-    parts = [raw]
-    if checksum:
-      frozen = raw.view()
-      frozen.flags.writeable = False  # what google_crc32c takes without a copy
-      parts.append(google_crc32c.value(frozen).to_bytes(4, "little"))
-    want = sum(len(p) for p in parts)
-    if os.writev(fd, parts) != want:
-      raise ChunkFileError(f"chunk file {tmp}: short write")
-  finally:
-    os.close(fd)
-  _rename_over(tmp, path)
+    try:
+      raw = data.reshape(-1).view(np.uint8)
+      parts = [raw]
+      if checksum:
+        frozen = raw.view()
+        frozen.flags.writeable = False  # what google_crc32c takes without a copy
+        parts.append(google_crc32c.value(frozen).to_bytes(4, "little"))
+      want = sum(len(p) for p in parts)
+      if os.writev(fd, parts) != want:
+        raise ChunkFileError(f"chunk file {tmp}: short write")
+    finally:
+      os.close(fd)
+    _rename_over(tmp, path)
+  except BaseException:
+    try:  # a partial file must not hold space (a full disk) after the failure
+      os.unlink(tmp)
+    except OSError:
+      pass
+    raise
 
 
 # ext4 (its default auto_da_alloc) starts writeback of a file renamed over another,
 # 0.2-1 ms per chunk here; exchanging the two names (renameat2 RENAME_EXCHANGE) and
-# removing the old file does not, and a reader still finds one whole file at `path`.
+# removing the old file does not, and a reader still finds one whole file at `path`
+# (a process killed in between leaves the old file under the temporary name).
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _RENAMEAT2 = getattr(_LIBC, "renameat2", None)
 _AT_FDCWD, _RENAME_EXCHANGE = -100, 2
-_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP}
+# Kernels, file systems (NFS) or sandboxes (seccomp: EPERM) without the exchange.
+_NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EPERM}
 
 
 def _rename_over(tmp: str, path: str) -> None:
@@ -199,12 +208,31 @@ def _rename_over(tmp: str, path: str) -> None:
     if _RENAMEAT2(_AT_FDCWD, os.fsencode(tmp), _AT_FDCWD, os.fsencode(path), _RENAME_EXCHANGE) == 0:
       os.unlink(tmp)  # the old file, now under the temporary name
       return
-    err = ctypes.get_errno()
-    if err in _NO_EXCHANGE:  # not on this kernel or file system: plain renames from now on
+    if ctypes.get_errno() in _NO_EXCHANGE:  # plain renames from now on
       _RENAMEAT2 = None
-    elif err != errno.ENOENT:  # ENOENT: no file at `path` yet, nothing to exchange
-      raise OSError(err, os.strerror(err), path)
+  # No file at `path` yet (ENOENT), or no exchange: a rename, which raises any real error.
   os.rename(tmp, path)
+
+
+_LOCAL_FILE_SYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "zfs", "overlay"}
+
+
+def local_file_system(path: str) -> bool:
+  """Whether `path` lies on a local file system (by /proc/mounts), where a file
+  written in place is seen at once by every process. A network file system (NFS)
+  may serve another host its cached pages of a file changed in place; a file put in
+  place under a new inode is revalidated when opened."""
+  try:
+    with open("/proc/mounts") as f:
+      mounts = [line.split()[1:3] for line in f]
+  except OSError:
+    return False
+  path, best = os.path.realpath(path), ("", "")
+  for point, fstype in mounts:
+    point = point.replace("\\040", " ")
+    if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
+      best = (point, fstype)
+  return best[1] in _LOCAL_FILE_SYSTEMS
 
 
 def update(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]]) -> bool:

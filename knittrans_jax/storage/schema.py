@@ -21,12 +21,12 @@ class StoreSchema:
   max_prompt_len / max_response_len: longest sequences accepted on append.
   token_chunk: tokens per chunk of the `sequences` array (9 bytes each: id, log-prob,
     loss mask). None (the default) is chosen when the store is created: 131072
-    (1.1 MiB chunk files) for a `file://` store without payload_checksum, whose reads
-    take just the bytes they need from each file, so larger files only cut the
-    files a read opens; 32768 (288 KiB) otherwise, where every read fetches (and
-    checks) whole chunks, so a micro-batch read of a few k tokens stays small. An
-    append rewrites the boundary chunk from its start, so larger chunks write more
-    bytes per append (docs/storage.md, Measured).
+    (1.1 MiB chunk files) for a `file://` store without payload_checksum or durable,
+    whose reads take just the bytes they need from each file and whose appends write
+    just the new bytes (in place), so larger files only cut the files a read opens;
+    32768 (288 KiB) otherwise, where every read fetches (and checks) whole chunks
+    and every append rewrites the boundary chunk from its start, so both stay
+    small (docs/storage.md, "Chunk sizes").
   row_chunk: rows per chunk of the per-trajectory columns; None: 512 for a new
     store (an append of a few rows rewrites its boundary chunk whole).
   image_chunk_bytes: bytes per chunk of the image table's data.
@@ -69,7 +69,7 @@ class StoreSchema:
   def for_store(self, url: str, existing: "StoreSchema | None" = None) -> "StoreSchema":
     """This schema with the fields left None chosen: the existing store's values, or
     those for a new store at `url` (see token_chunk, row_chunk)."""
-    direct = url.startswith("file://") and not self.payload_checksum
+    direct = url.startswith("file://") and not self.payload_checksum and not self.durable
     new = {"token_chunk": DIRECT_TOKEN_CHUNK if direct else KVSTORE_TOKEN_CHUNK,
            "row_chunk": ROW_CHUNK}
     chosen = {name: getattr(existing, name) if existing is not None else new[name]

@@ -20,12 +20,12 @@ import numpy as np
 from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit, write_commit
-from knittrans_jax.storage.errors import StoreError
+from knittrans_jax.storage.errors import CorruptUnitError, StoreError
 from knittrans_jax.storage.images import (Image, check_image, hash_to_hex, hex_to_hash,
                                           image_id)
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.storage.validation import pack_append
-from knittrans_jax.storage.whole_chunks import WholeChunkAppender
+from knittrans_jax.storage.whole_chunks import DamagedTail, WholeChunkAppender
 from knittrans_jax.types import TrajMeta, Trajectory
 
 
@@ -58,16 +58,20 @@ class UnitWriter:
     # A local unit is written straight to its chunk files (storage/file_chunks.py),
     # except with `durable`, where TensorStore's file driver does the fsyncs.
     self._dir = None if schema.durable else file_chunks.local_path(self.url)
+    self._in_place = self._dir is not None and file_chunks.local_file_system(self._dir)
     self._load_committed()
     self._unsure = False  # a commit marker write failed: did it land? (see _write)
 
   def _load_committed(self) -> None:
     """The image index and the committed chunk tails, from the commit marker."""
     c = self._commit
-    self._chunks = WholeChunkAppender(self._arrays, {
-        "sequences": c.tokens, "rows": c.rows,
-        "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
-        "images/index": c.images, "images/hash": c.images}, self._dir)
+    try:
+      self._chunks = WholeChunkAppender(self._arrays, {
+          "sequences": c.tokens, "rows": c.rows,
+          "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
+          "images/index": c.images, "images/hash": c.images}, self._dir, self._in_place)
+    except DamagedTail as e:
+      raise CorruptUnitError(self.unit, str(e)) from e
     self._image_index: dict[str, int] = {}
     if self._commit.images:
       hashes = self._arrays["images/hash"][: self._commit.images].read().result()

@@ -16,11 +16,18 @@ and each chunk written is assembled from the planes.
 
 A local unit (`local_dir`: `file://`, not `durable`) is written straight to its chunk
 files (storage/file_chunks.py). Chunks with a crc32c are replaced whole, as above.
-Chunks of `sequences` without one are written in place: only the new tokens' bytes of
-each plane, into the existing file of the boundary chunk; committed bytes are never
-written, so a reader (which reads committed bytes only) and a crash mid-append see
-the committed data unchanged. A chunk whose file is missing or not a whole chunk
-(the first append to it, or one a crashed append left short) is replaced whole.
+On a local file system (`in_place`), chunks of `sequences` without one are written
+in place: only the new tokens' bytes of each plane, into the existing file of the
+boundary chunk; committed bytes are never written, so a reader (which reads
+committed bytes only) and a process killed mid-append see the committed data
+unchanged. Past the committed extent such a chunk holds the fill value or the
+bytes of an append that failed or was killed, which the next append overwrites. A
+chunk whose file is missing or not a whole chunk (the first append to it; a
+damaged file) is replaced whole.
+
+The committed tails are checked when the writer opens the unit: a boundary chunk
+that is missing (read as fill values) or damaged is an error, not rewritten with
+the fill values as if they were data.
 
 A tail becomes the committed one only once its append commits (`commit()`); after a
 failed append the next one writes from the committed tail again.
@@ -45,13 +52,30 @@ class Written:
       raise self._error
 
 
+class DamagedTail(ValueError):
+  """The committed part of a boundary chunk holds values no writer stores."""
+
+
+def _check_tail(name: str, tail, fill) -> None:
+  if name == "sequences":
+    tokens, logprobs, mask = tail
+    bad = tokens.size and (tokens.min() < 0 or np.isnan(logprobs.min()) or mask.max() > 1)
+  elif np.isnan(fill).any():
+    bad = np.isnan(tail).any()
+  else:
+    bad = fill < 0 and tail.size and tail.min() < 0
+  if bad:
+    raise DamagedTail(f"the committed part of the last chunk of its {name} array is missing "
+                      "or damaged; the writer does not append over it")
+
+
 class WholeChunkAppender:
   """Tails of the arrays named in `extents` (name -> committed length along axis 0,
   in tokens for the planar `sequences`)."""
 
   def __init__(self, arrays: dict[str, ts.TensorStore], extents: dict[str, int],
-               local_dir: str | None = None):
-    self._arrays, self._dir = arrays, local_dir
+               local_dir: str | None = None, in_place: bool = False):
+    self._arrays, self._dir, self._in_place = arrays, local_dir, in_place and local_dir
     self._chunk, self._fill, self._crc, reads = {}, {}, {}, {}
     for name, n in extents.items():
       rows = arrays[name].chunk_layout.write_chunk.shape[0]
@@ -66,6 +90,8 @@ class WholeChunkAppender:
         reads[name] = arrays[name][self._start(name, n):n].read()
     self._tails = {name: self._planes_of(f.result() if f else None, extents[name])
                    if name == "sequences" else f.result() for name, f in reads.items()}
+    for name, tail in self._tails.items():
+      _check_tail(name, tail, self._fill.get(name))
     self._pending: dict[str, np.ndarray | tuple[np.ndarray, ...]] = {}
 
   def _start(self, name: str, extent: int) -> int:
@@ -119,7 +145,8 @@ class WholeChunkAppender:
     self._pending["sequences"] = tuple(
         np.concatenate([t, p]) if last == start else p[last - extent:].copy()
         for t, p in zip(tail, planes))
-    if self._dir is None or self._crc["sequences"]:
+    whole = self._dir is None or self._crc["sequences"] or not self._in_place
+    if whole:
       block = self._chunks_of(start, end, tail, planes, extent)
       if self._dir is None:
         lo = start * L.SEQ_BYTES
@@ -128,16 +155,16 @@ class WholeChunkAppender:
       offsets = L.seq_plane_offsets(c)
       for k in range(start // c, -(-end // c)):
         path = file_chunks.chunk_path(self._dir + "sequences", k, 1)
-        if self._crc["sequences"]:
-          file_chunks.replace(path, block[k - start // c], True)
+        if whole:
+          file_chunks.replace(path, block[k - start // c], self._crc["sequences"])
           continue
         lo, hi = max(extent, k * c), min(end, (k + 1) * c)  # the new tokens of chunk k
         pieces = [(o + (lo - k * c) * dt.itemsize,
                    memoryview(p[lo - extent:hi - extent]).cast("B"))
                   for o, (_, dt), p in zip(offsets, L.SEQ_FIELDS, planes)]
         if not file_chunks.update(path, L.SEQ_BYTES * c, pieces):
-          whole = self._chunks_of(k * c, hi, tail if k * c == start else None, planes, extent)
-          file_chunks.replace(path, whole[0], False)
+          one = self._chunks_of(k * c, hi, tail if k * c == start else None, planes, extent)
+          file_chunks.replace(path, one[0], False)
     except Exception as e:
       return Written(e)
     return Written()
