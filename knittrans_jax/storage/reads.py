@@ -112,7 +112,8 @@ class ReadFuture:
     self._runs = _runs(units, self._starts, self._ends)
     self._futures = []  # (unit, run, future of the run's sequences)
     # Located first: locating may read metadata (image table, a no-dedup row's refs).
-    self._images = _image_reads(self._metas, reader_of, skip_images, dedup_images)
+    self._images = (_image_reads(self._metas, reader_of, skip_images, dedup_images)
+                    if any(fields("image_ids")) else [])
     with ts.Batch() as batch:
       for run in self._runs:
         unit = units[run[0]]
@@ -148,8 +149,9 @@ class ReadFuture:
       whole = len(run) == n and run == list(range(n))  # one run, in the order asked
       starts, ends = ((self._starts, self._ends) if whole else
                       ([self._starts[i] for i in run], [self._ends[i] for i in run]))
-      shift = (-starts[0]).__add__  # offsets within the run's buffer; map runs in C
-      cuts = list(map(slice, map(shift, starts), map(shift, ends)))
+      if starts[0]:  # offsets within the run's buffer
+        starts, ends = (np.subtract(x, starts[0]).tolist() for x in (starts, ends))
+      cuts = list(map(slice, starts, ends))
       for name, arr in arrays.items():  # views into the run's buffer, no copies
         views = list(map(arr.__getitem__, cuts))
         if whole:

@@ -8,7 +8,7 @@ import gin
 
 
 # Defaults of the fields chosen when a store is created (StoreSchema.for_store).
-DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 17, 1 << 15, 512
+DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 18, 1 << 15, 512
 _CHOSEN_AT_CREATE = ("token_chunk", "row_chunk")
 
 
@@ -20,8 +20,8 @@ class StoreSchema:
   sources: names of the data sources; a trajectory of any other source is refused.
   max_prompt_len / max_response_len: longest sequences accepted on append.
   token_chunk: tokens per chunk of the `sequences` array (9 bytes each: id, log-prob,
-    loss mask). None (the default) is chosen when the store is created: 131072
-    (1.1 MiB chunk files) for a `file://` store without payload_checksum or durable,
+    loss mask). None (the default) is chosen when the store is created: 262144
+    (2.25 MiB chunk files) for a `file://` store without payload_checksum or durable,
     whose reads take just the bytes they need from each file and whose appends write
     just the new bytes (in place), so larger files only cut the files a read opens;
     32768 (288 KiB) otherwise, where every read fetches (and checks) whole chunks
