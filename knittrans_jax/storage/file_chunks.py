@@ -78,12 +78,16 @@ def read_range(array_dir: str, chunk: int, dtype: np.dtype, fill, start: int, st
         _check_size(fd, path, file_bytes)
       want = len(dst) + (len(tail) - 1 if to_end else 0)
       got = os.preadv(fd, [dst, tail] if to_end else [dst], (lo - k * chunk) * size)
-      if got != want:
-        _check_size(fd, path, file_bytes)  # names the size when it is the size
-        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
+      _check_read(fd, path, got, want, file_bytes)
     finally:
       os.close(fd)
   return out
+
+
+def _check_read(fd: int, path: str, got: int, want: int, file_bytes: int) -> None:
+  if got != want:
+    _check_size(fd, path, file_bytes)  # names the size when it is the size
+    raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
 
 
 def _check_size(fd: int, path: str, file_bytes: int) -> None:
@@ -135,9 +139,7 @@ def read_planes(array_dir: str, chunk: int, dtypes: list[np.dtype], start: int, 
         for r, z, o in zip(raws, sizes, offsets):
           want += (b - a) * z
           got += os.preadv(fd, [r[a * z:b * z]], o + (lo - k * chunk) * z)
-      if got != want:
-        _check_size(fd, path, file_bytes)  # names the size when it is the size
-        raise ChunkFileError(f"chunk file {path}: read {got} of {want} bytes")
+      _check_read(fd, path, got, want, file_bytes)
     finally:
       os.close(fd)
   return outs
