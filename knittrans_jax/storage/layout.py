@@ -82,6 +82,14 @@ def seq_plane_offsets(token_chunk: int) -> list[int]:
   return [int(e) for e in ends[:-1]]
 
 
+def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray) -> bool:
+  """Whether sequences hold values no writer stores: the fill values (a chunk read
+  back though missing) or bytes written over (a negative token, a NaN log-prob, a
+  mask byte above 1). Reductions (NaN propagates through min) make no temporaries."""
+  return bool(tokens.size) and bool(tokens.min() < 0 or np.isnan(logprobs.min())
+                                    or mask.max() > 1)
+
+
 def payload_arrays(format_version: int) -> tuple[str, ...]:
   """The names of the arrays that hold the sequences in units of a format."""
   return ("sequences",) if format_version >= 3 else tuple(name for name, _ in SEQ_FIELDS)

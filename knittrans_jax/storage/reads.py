@@ -22,11 +22,12 @@ from typing import Callable, Collection, Sequence
 import numpy as np
 import tensorstore as ts
 
+from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError
 from knittrans_jax.storage.unit_reader import UnitReader
 from knittrans_jax.types import Payload, TrajMeta
 
-_SEQ_ARRAYS = ("tokens", "logprobs", "loss_mask")
+_SEQ_ARRAYS = tuple(name for name, _ in L.SEQ_FIELDS)
 
 
 def _runs(units: list[str], starts: list[int], ends: list[int]) -> list[list[int]]:
@@ -139,10 +140,8 @@ class ReadFuture:
         raise CorruptUnitError(unit, f"reading the sequences failed: {e}") from e
       # Fill values mark chunks that are missing inside the committed range (through
       # TensorStore), and values no writer stores mark damaged ones (a chunk's head
-      # overwritten, faults/corrupt_chunk.py). Reductions (NaN propagates through
-      # min) make no temporary arrays, unlike elementwise tests.
-      if (arrays["tokens"].min() < 0 or np.isnan(arrays["logprobs"].min())
-          or arrays["loss_mask"].max() > 1):
+      # overwritten, faults/corrupt_chunk.py).
+      if L.sequences_damaged(*arrays.values()):
         raise CorruptUnitError(unit, "payload chunk missing inside the committed range "
                                f"(rows {self._metas[run[0]].row}..{self._metas[run[-1]].row})")
       arrays["loss_mask"] = arrays["loss_mask"].view(np.bool_)

@@ -58,8 +58,7 @@ class DamagedTail(ValueError):
 
 def _check_tail(name: str, tail, fill) -> None:
   if name == "sequences":
-    tokens, logprobs, mask = tail
-    bad = tokens.size and (tokens.min() < 0 or np.isnan(logprobs.min()) or mask.max() > 1)
+    bad = L.sequences_damaged(*tail)
   elif np.isnan(fill).any():
     bad = np.isnan(tail).any()
   else:
