@@ -49,7 +49,8 @@ def main():
     worker_main(w, os.path.abspath(args.workdir), store_url, job["seed"], job["n"],
                 job["model_config"], job["sampler_config"], requests, reports, stop,
                 suite=job["suite"], vit_config=job["vit_config"], math=job.get("math"),
-                max_groups_per_call=job.get("groups_per_call", 4), host=args.name)
+                max_groups_per_call=job.get("groups_per_call", 4), host=args.name,
+                engine=job.get("engine", "jax"), engine_options=job.get("engine_options"))
   except (OSError, EOFError) as e:  # the controller went away mid-call
     print(f"rollout worker {w}: the job is gone ({e.__class__.__name__}); exiting", flush=True)
   finally:

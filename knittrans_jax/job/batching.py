@@ -30,6 +30,10 @@ def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> 
   loss_mask = np.zeros((rows, seq_len), np.float32)
   logp = np.zeros((rows, seq_len), np.float32)
   adv = np.zeros((rows,), np.float32)
+  # Each row's generating versions (padding rows: -1, never a version), for the
+  # engine-vs-trainer log-prob sums at version lag 0 (rl/losses.py).
+  v_first = np.full((rows,), -1, np.int32)
+  v_last = np.full((rows,), -1, np.int32)
   for i, (m, t, lp, mk) in enumerate(zip(payload.metas, payload.tokens, payload.logprobs,
                                           payload.loss_mask)):
     if t.size > seq_len:
@@ -39,5 +43,6 @@ def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> 
     loss_mask[i, :t.size] = mk
     logp[i, :t.size] = lp
     adv[i] = advantages[m.id]
+    v_first[i], v_last[i] = m.version_first, m.version_last
   return dict(tokens=tokens, attention_mask=attn, loss_mask=loss_mask, behaviour_logp=logp,
-              advantages=adv)
+              advantages=adv, version_first=v_first, version_last=v_last)

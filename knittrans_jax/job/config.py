@@ -10,6 +10,7 @@ from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 from knittrans_jax.models.hf import read_config
 from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
+from knittrans_jax.rollout.engine import ENGINES
 from knittrans_jax.rollout.remote import HEARTBEAT_S
 
 MODES = ("disaggregated", "colocated", "synchronous")
@@ -51,6 +52,11 @@ class JobConfig:
     default one per trainer process. Each process trains its consumers' rows; one
     process given C > 1 trains all C's rows (the single-process reference of a
     C-process run).
+  engine: the rollout engine of the workers (rollout/engine.py): 'jax' (the project's
+    sampler, a static batch of up to `groups_per_call` groups per call; every suite) or
+    'vllm' (an in-process vLLM engine per worker, continuous batching, each group
+    reported the step it finishes; text and math suites, head dim >= 32 on CPU;
+    VllmOptions). The colocated mode and held-out evaluation run the JAX sampler.
   stall_timeout_s: a run in which no mini-batch is admitted and no usable group
     finishes for this long stops with an error naming the short sources and what is
     in flight (a hung worker, a source whose groups are all dropped, ...).
@@ -77,6 +83,7 @@ class JobConfig:
   checkpoint: str | None = None
   dispatch: str = "shuffled"
   groups_per_call: int = 4
+  engine: str = "jax"
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -107,6 +114,11 @@ class JobConfig:
     if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
       raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
                        f"micro_batch_size = {self.micro_batch_size}")
+    if self.engine not in ENGINES:
+      raise ValueError(f"JobConfig.engine = {self.engine!r}: use one of {ENGINES}")
+    if self.engine == "vllm" and self.suite == "vision":
+      raise ValueError("JobConfig.engine = 'vllm' with suite 'vision': the VLMs roll out on the "
+                       "'jax' engine (docs/rollout.md says why)")
     if self.groups_per_call < 1:
       raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
     if self.remote_timeout_s <= HEARTBEAT_S:

@@ -12,6 +12,23 @@ from tensorboardX import SummaryWriter
 from knittrans_jax.admission import TrainBatchSpec
 
 
+def engine_vs_trainer(sums: dict) -> dict:
+  """The rollout engine's behaviour log-probs against the trainer's, from a step's sums
+  (rl/losses.py): |difference| mean and max on tokens at version lag 0 (None when the
+  step had none), and the importance ratio's mean and standard deviation."""
+  tokens = max(float(sums.get("tokens", 0.0)), 1.0)
+  mean = float(sums.get("ratio", 0.0)) / tokens
+  out = {"ratio_mean": mean,
+         "ratio_std": float(np.sqrt(max(float(sums.get("ratio_sq", 0.0)) / tokens - mean ** 2, 0.0)))}
+  fresh = float(sums.get("fresh_tokens", 0.0))
+  out["lag0_tokens"] = int(round(fresh))
+  out["logprob_abs_diff_mean"] = float(sums["fresh_logp_abs_diff"]) / fresh if fresh else None
+  out["logprob_abs_diff_max"] = float(sums["max_fresh_logp_abs_diff"]) if fresh else None
+  if "corrected" in sums:
+    out["corrected_frac"] = float(sums["corrected"]) / tokens
+  return out
+
+
 class MetricsLog:
 
   def __init__(self, workdir: str, spec: TrainBatchSpec, resume: bool = False,
@@ -60,6 +77,7 @@ class MetricsLog:
                              for s in counts},
         "loss": sums.get("loss", 0.0) / tokens, "entropy": sums.get("entropy", 0.0) / tokens,
         "clip_frac": sums.get("clip_frac", 0.0) / tokens, "grad_norm": grad_norm,
+        **engine_vs_trainer(sums),
         "arch_staleness_mean": float(np.mean(np.maximum(arch, 0))),
         "trajectories": len(metas), "source_counts": dict(counts), "arch": arch,
         **({"eval": evaluation} if evaluation else {}),
@@ -99,6 +117,8 @@ class MetricsLog:
     rewards = [r["reward"] for r in self.records]
     arch = np.maximum(np.asarray(self.arch or [0]), 0)
     evals = [r["eval"] for r in self.records if r.get("eval")]
+    lag0 = [r for r in self.records if r.get("logprob_abs_diff_max") is not None]
+    n0 = sum(r["lag0_tokens"] for r in lag0)
     return {
         "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None,
         "reward_first": float(np.mean(rewards[:tenth])) if rewards else None,
@@ -108,5 +128,10 @@ class MetricsLog:
         "arch_staleness_p99": float(np.percentile(arch, 99)),
         "quota_violations": self.quota_violations(), "steps": steps,
         "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
-        "trajectories": self.trajectories, "eval_s": self.eval_s, **extra,
+        "trajectories": self.trajectories, "eval_s": self.eval_s,
+        # The engine's log-probs against the trainer's at version lag 0, over the run.
+        "logprob_abs_diff_mean": (sum(r["logprob_abs_diff_mean"] * r["lag0_tokens"] for r in lag0)
+                                  / n0 if n0 else None),
+        "logprob_abs_diff_max": max((r["logprob_abs_diff_max"] for r in lag0), default=None),
+        **extra,
     }

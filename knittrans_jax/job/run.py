@@ -129,6 +129,14 @@ class Job:
     quota = cfg.spec.source_quota
     self.trained_sources = tuple(quota) if quota else self.sources
     self._check_model_and_tasks()
+    self.engine_options = None
+    if cfg.engine == "vllm" and cfg.mode != "colocated":
+      from knittrans_jax.rollout import vllm_engine
+      vllm_engine.check_available()  # before any process starts: what to install
+      vllm_engine.check_model(self.model_cfg)
+      opts = vllm_engine.VllmOptions()
+      self.engine_options = dataclasses.replace(
+          opts, max_model_len=opts.max_model_len or self.prompt_len + self.sampler_cfg.max_new_tokens)
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
     if not resume and (self.ckpt.latest_step() is not None
                        or os.path.exists(os.path.join(self.workdir, "store"))):
@@ -313,7 +321,8 @@ class Job:
                                        model_config=self.model_cfg,
                                        sampler_config=self.sampler_cfg, suite=cfg.suite,
                                        vit_config=self.vit_cfg, math=self.math,
-                                       groups_per_call=cfg.groups_per_call))
+                                       groups_per_call=cfg.groups_per_call,
+                                       engine=cfg.engine, engine_options=self.engine_options))
 
   # -- the loop ---------------------------------------------------------------------------
   def run(self) -> dict:

@@ -12,18 +12,41 @@ import gin
 import jax
 import jax.numpy as jnp
 
+CORRECTIONS = ("none", "truncate", "mask")
+
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """clip_low/clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high]
   (DAPO's clip-higher uses a larger clip_high). kl_coef > 0 adds the k3 estimator
-  of KL(policy || reference) per token; off by default."""
+  of KL(policy || reference) per token; off by default.
+
+  behaviour_correction: what to do with tokens whose ratio r = pi/mu (trainer policy
+  over the rollout engine's behaviour log-prob) is far from 1, which an engine's
+  numerics and the staleness both cause (off by default):
+    'none'      the clipped surrogate as is;
+    'truncate'  truncated importance sampling: each token's term is scaled by
+                sg(min(1, is_high / r)), so no token weighs more than is_high;
+    'mask'      tokens with r outside [is_low, is_high] get no gradient (their
+                term is 0; they still count in the token mean).
+  """
   clip_low: float = 0.2
   clip_high: float = 0.2
   kl_coef: float = 0.0
   normalize_adv_std: bool = True
   temperature: float = 1.0  # must equal the sampler's: log-probs of logits / temperature
+  behaviour_correction: str = "none"
+  is_low: float = 0.5
+  is_high: float = 2.0
+
+  def __post_init__(self):
+    if self.behaviour_correction not in CORRECTIONS:
+      raise ValueError(f"LossConfig.behaviour_correction = {self.behaviour_correction!r}: use "
+                       f"one of {CORRECTIONS}")
+    if not 0 < self.is_low <= 1 <= self.is_high:
+      raise ValueError(f"LossConfig: is_low {self.is_low} and is_high {self.is_high} must "
+                       "satisfy 0 < is_low <= 1 <= is_high")
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -52,15 +75,31 @@ def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.
   if config.kl_coef and ref_logp is not None:
     d = ref_logp - logp
     loss = loss + config.kl_coef * (jnp.exp(d) - d - 1.0)
+  if config.behaviour_correction == "truncate":
+    loss = loss * jax.lax.stop_gradient(jnp.minimum(1.0, config.is_high / ratio))
+  elif config.behaviour_correction == "mask":
+    keep = (ratio >= config.is_low) & (ratio <= config.is_high)
+    loss = jnp.where(jax.lax.stop_gradient(keep), loss, 0.0)
   was_clipped = (clipped < unclipped).astype(jnp.float32)
   return loss, ratio, was_clipped
 
 
-def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
+def merge_sums(a: dict, b: dict) -> dict:
+  """Two micro-batches' metric sums: added, except 'max_*' entries (maxima)."""
+  return {k: jnp.maximum(a[k], b[k]) if k.startswith("max_") else a[k] + b[k] for k in a}
+
+
+def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, version=None):
   """Sum over masked tokens of the PPO loss, plus metric sums (all unnormalised).
 
   Returning sums lets micro-batches and consumers be added up and divided once by
-  the mini-batch's total token count: a true global token mean.
+  the mini-batch's total token count: a true global token mean (`merge_sums`).
+
+  With `version` (the parameters' policy version) and the batch's per-row
+  `version_first`/`version_last`, the sums also measure the engine against the
+  trainer on the tokens at version lag 0 (rows generated wholly by these parameters):
+  |logp - behaviour_logp| summed and its maximum. At top_p < 1 that difference also
+  holds the log of the nucleus's mass (the behaviour distribution is truncated).
   """
   logp, entropy = token_logprobs(logits / config.temperature, batch["tokens"])
   mask = batch["loss_mask"].astype(logp.dtype)
@@ -74,7 +113,19 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig):
       # k1 estimate of KL(behaviour || policy): how far off-policy the data is.
       "behaviour_kl": jnp.sum((batch["behaviour_logp"] - logp) * mask),
       "tokens": jnp.sum(mask),
+      "ratio_sq": jnp.sum(jnp.square(ratio) * mask),
   }
+  if config.behaviour_correction != "none":
+    corrected = ratio > config.is_high
+    if config.behaviour_correction == "mask":
+      corrected = corrected | (ratio < config.is_low)
+    sums["corrected"] = jnp.sum(corrected * mask)
+  if version is not None and "version_first" in batch:
+    fresh = (batch["version_first"] == version) & (batch["version_last"] == version)
+    fresh_mask = mask * fresh[:, None].astype(mask.dtype)
+    diff = jnp.abs(logp - batch["behaviour_logp"]) * fresh_mask
+    sums.update(fresh_tokens=jnp.sum(fresh_mask), fresh_logp_abs_diff=jnp.sum(diff),
+                max_fresh_logp_abs_diff=jnp.max(diff))
   return sums["loss"], sums
 
 

@@ -16,7 +16,8 @@ import numpy as np
 
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
-from knittrans_jax.rollout.sampler import SamplerConfig, generate
+from knittrans_jax.rollout.engine import FinishedGroup, GroupRequest, response_seeds
+from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.storage import Image
 from knittrans_jax.types import Trajectory
 
@@ -83,44 +84,72 @@ class RolledGroup:
   images: list[Image]  # stored once for the whole group (empty for text); id hashed once
 
 
+@dataclasses.dataclass(frozen=True)
+class Suite:
+  """A task suite as rollout sees it: requests from (group id, source), trajectories
+  from finished groups. `qwen`: the vision suite on a Qwen-VL checkpoint
+  (rollout/qwen_vision_tasks.py): its prompts carry the image's image-pad tokens and
+  the store keeps the uint8 image."""
+  name: str = "text"
+  image_size: int = 32
+  math: MathSource | None = None
+  qwen: QwenVisionTasks | None = None
+
+  def __post_init__(self):
+    _check(self.name, self.math)
+    if self.qwen is not None:
+      if self.name != "vision":
+        raise ValueError(f"a Qwen-VL vision suite with task suite {self.name!r}; it runs 'vision'")
+      object.__setattr__(self, "image_size", self.qwen.image_size)
+
+  @property
+  def prompt_len(self) -> int:
+    return self.qwen.prompt_len if self.qwen is not None else suite_prompt_len(self.name, self.math)
+
+  def task(self, seed: int, group_id: int, source: str):
+    return task_for(seed, group_id, source, self.name, self.image_size, self.math)
+
+  def prompt(self, task) -> np.ndarray:
+    return self.qwen.prompt(task) if self.qwen is not None else task.prompt
+
+  def request(self, seed: int, group_id: int, source: str, n: int) -> GroupRequest:
+    """The engine request of a group; a vision group's `extra` is its stored image."""
+    task = self.task(seed, group_id, source)
+    image = None
+    if self.name == "vision":
+      image = self.qwen.stored_image(task) if self.qwen is not None else task.image
+    return GroupRequest(group_id, source, np.asarray(self.prompt(task), np.int32), n,
+                        response_seeds(seed, group_id, n), extra=image)
+
+  def rolled(self, seed: int, group: FinishedGroup) -> RolledGroup:
+    """A finished group scored: its trajectories, and its image (stored once)."""
+    req = group.request
+    task = self.task(seed, req.group_id, req.source)
+    score = ({"vision": vision_tasks.score, "text": tasks.score}.get(self.name)
+             or self.math.suite().score)
+    images = [Image.of(req.extra)] if self.name == "vision" else []  # the only hash of it
+    ids = tuple(im.id for im in images)
+    return RolledGroup([
+        Trajectory(prompt_tokens=req.prompt, response_tokens=r.tokens, logprobs=r.logprobs,
+                   loss_mask=np.ones(r.tokens.size, bool), reward=score(task, r.tokens),
+                   source=req.source, group_id=req.group_id, index_in_group=i,
+                   versions=tuple(sorted(set(r.versions))), image_ids=ids)
+        for i, r in enumerate(group.responses)], images)
+
+
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
                    n: int, sampler: SamplerConfig, suite: str = "text",
                    image_size: int = 32, math: MathSource | None = None,
                    qwen: QwenVisionTasks | None = None) -> list[RolledGroup]:
-  """Generates n responses for each (group id, source) in one sampler call.
-
-  `qwen`: the vision suite on a Qwen-VL checkpoint (rollout/qwen_vision_tasks.py): its
-  prompts carry the image's image-pad tokens and the store keeps the uint8 image.
+  """Generates n responses for each (group id, source) in one JAX sampler call (the
+  colocated reference and held-out evaluation; rollout workers run an engine).
 
   Response i of group g samples with key (seed, g, i) (`group_keys`), so a group
   comes out the same however groups are batched into calls: a worker's few, the
   colocated reference's many (up to float reassociation in batched matmuls).
   """
-  if qwen is not None:
-    if suite != "vision":
-      raise ValueError(f"a Qwen-VL vision suite with task suite {suite!r}; it runs 'vision'")
-    image_size = qwen.image_size
-  task_list = [task_for(seed, gid, source, suite, image_size, math) for gid, source in requests]
-  prompt_of = qwen.prompt if qwen is not None else (lambda t: t.prompt)
-  prompts = [prompt_of(t) for t in task_list for _ in range(n)]
-  rng = group_keys(seed, [gid for gid, _ in requests], n)
-  score = {"vision": vision_tasks.score, "text": tasks.score}.get(suite) or math.suite().score
-  stored, extra = [], {}
-  if suite == "vision":
-    stored = [qwen.stored_image(t) if qwen is not None else t.image for t in task_list]
-    extra = dict(images=stored if qwen is not None else np.stack(stored),
-                 image_index=np.repeat(np.arange(len(task_list)), n),
-                 qwen=qwen.inputs if qwen is not None else None,
-                 banned=qwen.special_ids if qwen is not None else ())
-  prompt_len = qwen.prompt_len if qwen is not None else suite_prompt_len(suite, math)
-  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=prompt_len, **extra)
-  groups = []
-  for k, ((gid, source), task) in enumerate(zip(requests, task_list)):
-    images = [Image.of(stored[k])] if suite == "vision" else []  # the only hash of it
-    ids = tuple(im.id for im in images)
-    groups.append(RolledGroup([
-        Trajectory(prompt_tokens=prompt_of(task), response_tokens=resp, logprobs=lp,
-                   loss_mask=np.ones(resp.size, bool), reward=score(task, resp), source=source,
-                   group_id=gid, index_in_group=i, versions=(version,), image_ids=ids)
-        for i, (resp, lp) in enumerate(outs[k * n:(k + 1) * n])], images))
-  return groups
+  from knittrans_jax.rollout.jax_engine import generate_groups
+  tasks_ = Suite(suite, image_size, math, qwen)
+  reqs = [tasks_.request(seed, gid, source, n) for gid, source in requests]
+  finished = generate_groups(graphdef, params, version, seed, reqs, sampler, tasks_)
+  return [tasks_.rolled(seed, g) for g in finished]

@@ -1,11 +1,15 @@
 """A rollout worker process: prompts in, trajectories to its own storage unit,
-metadata out. Picks up the newest published weights before each group.
+metadata out. Picks up the newest published weights between engine steps.
+
+The worker hands every queued group to its rollout engine (rollout/engine.py: 'jax',
+a static batch per step; 'vllm', continuous batching) and reports each group the
+step its last response finishes.
 
 Messages: requests are (group_id, source); reports are ("done", worker, group_id,
-[TrajMeta], seconds) or ("error", worker, message); seconds is the sampler call that
-generated the group (its decode time, without the wait in this worker's queue; the
-dispatch policies learn from it), None when that call also compiled the sampler. A
-None request stops the worker.
+[TrajMeta], seconds) or ("error", worker, message); seconds is the group's time in
+the engine (its decode time, without the wait in this worker's queue; the dispatch
+policies learn from it), None when it included compilation. A None request stops
+the worker.
 """
 from __future__ import annotations
 
@@ -13,21 +17,22 @@ import multiprocessing
 import os
 import queue
 import signal
-import time
 import traceback
 
 
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
                 max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
-                math=None, host: str | None = None) -> None:
+                math=None, host: str | None = None, engine: str = "jax",
+                engine_options=None) -> None:
   signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ["XLA_FLAGS"] = ""  # one device per worker
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
-  from knittrans_jax.rollout.groups import rollout_groups
+  from knittrans_jax.rollout.engine import EngineSpec, make_engine
+  from knittrans_jax.rollout.groups import Suite
   from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
@@ -38,20 +43,24 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
-    params, version = None, -1
-    compiled: set[int] = set()  # groups-per-call sizes the sampler has compiled for
+    qwen = vit_config if isinstance(vit_config, QwenVisionTasks) else None
+    tasks = Suite(suite, vit_config.image_size if vit_config is not None else 32, math, qwen)
+    spec = EngineSpec(engine, model_config, sampler_config, seed, max_groups_per_call,
+                      engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"))
+    rollout = None  # built on the first published weights
     parent = multiprocessing.parent_process()
     while not stop.is_set():
-      try:
-        req = requests.get(timeout=0.2)
+      try:  # block briefly only while the engine has nothing to do
+        req = requests.get(timeout=0.2) if rollout is None or not rollout.busy else \
+            requests.get_nowait()
       except queue.Empty:
+        req = False
         if parent is not None and not parent.is_alive():
           break  # the trainer was killed (SIGKILL): do not linger as an orphan
-        continue
       if req is None:
         break
-      batch = [req]
-      while len(batch) < max_groups_per_call:  # take what is queued, without waiting
+      batch = [req] if req else []
+      while req is not False:  # take what is queued, without waiting
         try:
           more = requests.get_nowait()
         except queue.Empty:
@@ -60,23 +69,26 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
           stop.set()
           break
         batch.append(more)
-      update = weights.poll()  # sync point: between sampler calls
+      update = weights.poll()  # sync point: between engine steps
       if update is not None:
-        version, params = update
-      if params is None:
-        raise RuntimeError("no published weights to generate with")
-      image_size = vit_config.image_size if vit_config is not None else 0
-      t0 = time.perf_counter()
-      groups = rollout_groups(graphdef, params, version, seed, batch, n, sampler_config,
-                              suite, image_size, math,
-                              qwen=vit_config if isinstance(vit_config, QwenVisionTasks) else None)
-      # A call of a new size compiled the sampler first: its time is not the group's.
-      seconds = time.perf_counter() - t0 if len(batch) in compiled else None
-      compiled.add(len(batch))
-      for group in groups:
+        if rollout is None:
+          rollout = make_engine(spec, graphdef, update[1], update[0], suite=tasks)
+        else:
+          rollout.update_weights(*update)
+      if rollout is None:
+        if batch:
+          raise RuntimeError("no published weights to generate with")
+        continue
+      rollout.add([tasks.request(seed, gid, source, n) for gid, source in batch])
+      if not rollout.busy:
+        continue
+      for group in rollout.step():
+        rolled = tasks.rolled(seed, group)
         # The group's image is stored once, however many responses share it.
-        metas = writer.append(group.trajectories, images=group.images)  # committed, then reported
-        reports.put(("done", worker_id, group.trajectories[0].group_id, metas, seconds))
+        metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
+        reports.put(("done", worker_id, group.request.group_id, metas, group.seconds))
+    if rollout is not None:
+      rollout.close()
   except Exception:  # reported, then the process exits non-zero
     reports.put(("error", worker_id, traceback.format_exc()))
     raise

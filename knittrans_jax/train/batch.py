@@ -6,6 +6,8 @@ A text batch is a dict of
   loss_mask       float32 [B, T]  1 on response tokens that train
   behaviour_logp  float32 [B, T]  log-prob of each token under the rollout policy
   advantages      float32 [B]
+and optionally version_first / version_last int32 [B] (the versions that generated
+each row, -1 for padding: the engine-vs-trainer sums at lag 0, rl/losses.py);
 and a VLM batch adds images float32 [B, H, W, C] (the naive step: one image per
 row) or image_index int32 [B] (the encode-once step: each row's slot among the
 mini-batch's unique images, multimodal/). A Qwen-VL encode-once batch adds instead
@@ -26,7 +28,8 @@ SPEC = {  # name: (dtype kind, rank)
     "behaviour_logp": ("f", 2), "advantages": ("f", 1),
 }
 OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2), "image_index": ("iu", 1),
-            "positions": ("iu", 3), "embed_index": ("iu", 2)}
+            "positions": ("iu", 3), "embed_index": ("iu", 2), "version_first": ("i", 1),
+            "version_last": ("i", 1)}
 
 
 class BadBatchError(ValueError):

@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from knittrans_jax.models.layers import wide
-from knittrans_jax.rl.losses import LossConfig, nll_loss_sum, ppo_loss_sum
+from knittrans_jax.rl.losses import LossConfig, merge_sums, nll_loss_sum, ppo_loss_sum
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import replicated
 from knittrans_jax.train.state import TrainState
@@ -55,19 +55,21 @@ class StepFunctions:
     self.zero_grads = jax.jit(  # fp32 accumulator shaped and sharded like the params
         lambda params: jax.tree.map(lambda x: jnp.zeros(x.shape, wide(x.dtype)), params),
         in_shardings=(self._grad_sh,), out_shardings=self._grad_sh)
-    self.add_sums = jax.jit(lambda a, b: jax.tree.map(jnp.add, a, b), out_shardings=repl,
+    self.add_sums = jax.jit(merge_sums, out_shardings=repl,
                             donate_argnums=0)
 
   # -- pieces ---------------------------------------------------------------
-  def objective_sum(self, logits, batch):
-    """(loss summed over the batch's loss tokens, metric sums)."""
+  def objective_sum(self, logits, batch, version=None):
+    """(loss summed over the batch's loss tokens, metric sums); `version`: the
+    parameters' policy version (the engine-vs-trainer sums, rl/losses.py)."""
     if self.objective == "nll":
       return nll_loss_sum(logits, batch)
-    return ppo_loss_sum(logits, batch, self.loss)
+    return ppo_loss_sum(logits, batch, self.loss, version)
 
-  def _micro(self, params, batch, total_tokens):
+  def _micro(self, params, batch, total_tokens, version=None):
     def loss_fn(p):
-      loss_sum, sums = self.objective_sum(self.forward(nnx.merge(self.graphdef, p), batch), batch)
+      loss_sum, sums = self.objective_sum(self.forward(nnx.merge(self.graphdef, p), batch), batch,
+                                          version)
       return loss_sum / total_tokens, sums
     (_, sums), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     return jax.tree.map(lambda g: g.astype(wide(g.dtype)), grads), sums
@@ -83,12 +85,12 @@ class StepFunctions:
 
     def body(carry, micro):
       acc, sums = carry
-      grads, s = self._micro(state.params, micro, total_tokens)
-      return (jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.add, sums, s)), None
+      grads, s = self._micro(state.params, micro, total_tokens, state.version)
+      return (jax.tree.map(jnp.add, acc, grads), merge_sums(sums, s)), None
 
     first = jax.tree.map(lambda x: x[0], stacked)
     sums0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda: self._micro(state.params, first, total_tokens)[1]))
+        lambda: self._micro(state.params, first, total_tokens, state.version)[1]))
     (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), stacked)
     new_state, metrics = self._apply(state, grads)
     return new_state, {**metrics, **sums}
@@ -100,7 +102,7 @@ class StepFunctions:
     if key not in self._jitted:
       repl = replicated(self.mesh)
       self._jitted[key] = jax.jit(
-          lambda st, b, n: self._micro(st.params, b, n),
+          lambda st, b, n: self._micro(st.params, b, n, st.version),
           in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, batch), repl),
           out_shardings=(self._grad_sh, repl))
     return self._jitted[key](state, batch, jnp.float32(total_tokens))
@@ -110,7 +112,7 @@ class StepFunctions:
     key = tuple(sorted((k, v.shape) for k, v in batch.items()))
     if key not in self._sum_shapes:
       self._sum_shapes[key] = jax.eval_shape(
-          lambda st, b: self._micro(st.params, b, jnp.float32(1))[1], state, batch)
+          lambda st, b: self._micro(st.params, b, jnp.float32(1), st.version)[1], state, batch)
     repl = replicated(self.mesh)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype, device=repl), self._sum_shapes[key])
 
@@ -127,8 +129,8 @@ class StepFunctions:
       repl = replicated(self.mesh)
 
       def micro(st, acc, sums, b, n):
-        grads, s = self._micro(st.params, b, n)
-        return jax.tree.map(jnp.add, acc, grads), jax.tree.map(jnp.add, sums, s)
+        grads, s = self._micro(st.params, b, n, st.version)
+        return jax.tree.map(jnp.add, acc, grads), merge_sums(sums, s)
       self._jitted[key] = jax.jit(
           micro, in_shardings=(self.shardings, self._grad_sh, repl,
                                batch_shardings(self.mesh, self.rules, batch), repl),

