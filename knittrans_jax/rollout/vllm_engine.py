@@ -51,6 +51,10 @@ class VllmOptions:
   dtype: str = "float32"
   prefix_caching: bool = True
   max_model_len: int | None = None  # the job sets prompt + max_new_tokens; else max_positions
+  # VLLM_CPU_OMP_THREADS_BIND: vLLM's 'auto' pins every engine's threads to the same
+  # cores, so a host's several workers (and its trainer) would share them; 'nobind'
+  # leaves placement to the OS. A CPU list ("0-3") pins this engine. CPU build only.
+  cpu_bind: str = "nobind"
 
 
 def check_available() -> None:
@@ -89,11 +93,13 @@ class VllmEngine(RolloutEngine):
     check_available()
     check_model(spec.model_config)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-update INFO lines flood a job
+    opts = spec.options or VllmOptions()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", opts.cpu_bind)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.sampling_params import RequestOutputKind
     from knittrans_jax.models.hf import config_to_hf, decoder_tensors, write_checkpoint
 
-    opts = spec.options or VllmOptions()
     s = spec.sampler
     if s.greedy:
       raise ValueError("SamplerConfig.greedy with the 'vllm' engine: greedy decoding (held-out "

@@ -1,0 +1,155 @@
+"""The 'vllm' rollout engine (vLLM's CPU build, in this process) on a tiny random Llama
+checkpoint (head dim 32, the CPU kernels' smallest): seeds reproduce, behaviour
+log-probs equal the trainer's, a weight update equals a fresh engine on the new
+weights, requests in flight across an update record both versions."""
+import dataclasses
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from hf_helpers import make_checkpoint
+
+from knittrans_jax.models import hf
+from knittrans_jax.rl import token_logprobs
+from knittrans_jax.rollout.engine import EngineSpec, GroupRequest, make_engine, response_seeds
+from knittrans_jax.rollout.sampler import SamplerConfig, _top_p_filter
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+SAMPLER = SamplerConfig(max_new_tokens=10, temperature=1.0, stop_tokens=(1,))
+SHAPE = dict(vocab_size=64, hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
+             head_dim=32, intermediate_size=96, tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("ckpt"))
+  make_checkpoint("llama", path, seed=3, **SHAPE)
+  m, config = hf.load(path)
+  graphdef, params = nnx.split(m, nnx.Param)
+  return config, graphdef, jax.device_get(params)
+
+
+@pytest.fixture(scope="module")
+def engine(model, tmp_path_factory):
+  config, graphdef, params = model
+  e = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0,
+                             workdir=str(tmp_path_factory.mktemp("engine"))), graphdef, params, 0)
+  yield e
+  e.close()
+
+
+def requests(first_gid, groups=3, n=4, seed=0):
+  rng = np.random.default_rng(first_gid)
+  return [GroupRequest(g, "x", rng.integers(2, 64, int(rng.integers(3, 7))).astype(np.int32), n,
+                       response_seeds(seed, g, n)) for g in range(first_gid, first_gid + groups)]
+
+
+def with_sampler(engine, sampler):
+  # The engine reads its sampling settings per request from its spec.
+  engine.spec = dataclasses.replace(engine.spec, sampler=sampler)
+
+
+def trainer_logprobs(graphdef, params, prompt, tokens, sampler, length=24):
+  """The trainer's forward on prompt + response: log-probs of each response token under
+  logits / T, restricted to the top-p nucleus as the sampler draws from it. Padded on
+  the right to one length (causal: the padding changes no earlier logit), so the
+  forward compiles once."""
+  model = nnx.merge(graphdef, jax.tree.map(jnp.asarray, params))
+  seq = np.zeros((1, length), np.int32)
+  seq[0, :prompt.size + tokens.size] = np.concatenate([prompt, tokens])
+  logits = model(jnp.asarray(seq), jnp.ones(seq.shape, bool))[0] / sampler.temperature
+  span = slice(prompt.size, prompt.size + tokens.size)
+  if sampler.top_p == 1.0:  # exactly the loss's function (rl/losses.py)
+    return np.asarray(token_logprobs(logits[None], jnp.asarray(seq))[0])[0, span]
+  filtered = _top_p_filter(logits[:-1], sampler.top_p)
+  picked = jnp.take_along_axis(jax.nn.log_softmax(filtered, -1), jnp.asarray(seq[0, 1:])[:, None], -1)
+  return np.asarray(picked[:, 0])[prompt.size - 1:prompt.size - 1 + tokens.size]
+
+
+def test_seeded_responses_reproduce_whatever_else_is_in_the_batch(engine):
+  with_sampler(engine, SAMPLER)
+  alone = engine.generate(requests(0, groups=1))
+  crowded = engine.generate(requests(0, groups=1) + requests(1, groups=3))
+  again = [r.tokens.tolist() for r in alone[0].responses]
+  assert again == [r.tokens.tolist() for r in crowded[0].responses]
+  assert len({tuple(t) for t in again}) > 1  # n seeds, n different responses
+  for g in crowded:
+    for r in g.responses:
+      assert 1 <= r.tokens.size <= SAMPLER.max_new_tokens and r.logprobs.shape == r.tokens.shape
+      assert r.finish_reason == ("stop" if r.tokens[-1] == 1 else "length")
+      assert (r.tokens[:-1] != 1).all() and r.versions == (0, 0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 1.0), (0.7, 0.9)])
+def test_behaviour_logprobs_equal_the_trainers(engine, model, temperature, top_p):
+  config, graphdef, params = model
+  sampler = dataclasses.replace(SAMPLER, temperature=temperature, top_p=top_p)
+  with_sampler(engine, sampler)
+  worst = 0.0
+  for g in engine.generate(requests(10 + int(100 * temperature * top_p))):
+    for r in g.responses:
+      ref = trainer_logprobs(graphdef, params, g.request.prompt, r.tokens, sampler)
+      worst = max(worst, float(np.abs(r.logprobs - ref).max()))
+  assert worst <= 1e-4, worst
+
+
+def test_requests_in_flight_across_an_update_record_both_versions(engine, model):
+  config, graphdef, params = model
+  with_sampler(engine, dataclasses.replace(SAMPLER, stop_tokens=()))  # run to the length
+  engine.add(requests(60, groups=2))
+  assert engine.step() == []  # prefill and first tokens: in flight
+  engine.update_weights(2, params)
+  done = []
+  while engine.busy:
+    done += engine.step()
+  assert len(done) == 2
+  for g in done:
+    for r in g.responses:
+      assert r.versions == (0, 2) and r.tokens.size == SAMPLER.max_new_tokens
+      assert r.finish_reason == "length"
+  engine.update_weights(0, params)
+
+
+def test_a_missing_vllm_or_a_small_head_is_a_clear_error(monkeypatch, model):
+  from knittrans_jax.rollout import vllm_engine
+  config = model[0]
+  with pytest.raises(ValueError, match="head dim 16 < 32"):
+    vllm_engine.check_model(dataclasses.replace(config, head_dim=16))
+  monkeypatch.setitem(sys.modules, "vllm", None)
+  with pytest.raises(RuntimeError, match="make install-vllm"):
+    vllm_engine.check_available()
+
+
+def test_weight_update_equals_a_fresh_engine_on_the_new_weights(engine, model, tmp_path):
+  config, graphdef, params = model
+  with_sampler(engine, SAMPLER)
+  rng = np.random.default_rng(5)
+  new = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.standard_normal(x.shape).astype(x.dtype),
+                     params)
+  before = engine.generate(requests(40))
+  engine.update_weights(1, new)
+  after = engine.generate(requests(40))
+  fresh = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0, workdir=str(tmp_path)),
+                      graphdef, new, 1)
+  # Two in-process engines share vLLM's process-wide parallel state, which closing
+  # either one tears down: this test is the module engine's last use.
+  try:
+    want = fresh.generate(requests(40))
+  finally:
+    fresh.close()
+  changed = 0
+  for a, w, b in zip(after, want, before):
+    for ra, rw, rb in zip(a.responses, w.responses, b.responses):
+      assert ra.tokens.tolist() == rw.tokens.tolist() and ra.versions == (1, 1)
+      np.testing.assert_allclose(ra.logprobs, rw.logprobs, atol=1e-5)
+      changed += ra.tokens.tolist() != rb.tokens.tolist()
+  assert changed  # the update did change what is sampled
+  # And the new log-probs are the new weights' (the tied head re-packed too).
+  r = after[0].responses[0]
+  np.testing.assert_allclose(r.logprobs, trainer_logprobs(graphdef, new, after[0].request.prompt,
+                                                          r.tokens, SAMPLER), atol=1e-4)
