@@ -4,8 +4,9 @@
 
 Workload: `--groups` groups of the config's sources (default configs/text_grpo_tails.gin,
 the long-tailed `chain_long` beside short sources, with DecoderConfig.heads = 2 so the
-head dim is 32, as vLLM's CPU kernels need), n responses each, one random decoder
-(seeded), all requests handed to the engine at t = 0, as a rollout worker with a full
+head dim is 32, as vLLM's CPU kernels need), n responses each, one decoder (random and
+seeded, or `--checkpoint`: a trained policy, whose responses stop where the tasks
+end, so the sources' lengths differ and tails show), all requests handed to the engine at t = 0, as a rollout worker with a full
 queue does. Engines (each warmed up on the same requests first, so no compilation or
 engine set-up is timed):
   jax         the JAX sampler at the config's groups_per_call (one group per call in the
@@ -95,6 +96,10 @@ def main():
   parser.add_argument("--updates", type=int, default=5)
   parser.add_argument("--engines", default="jax,jax_static,vllm")
   parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--checkpoint", default=None,
+                      help="a Hugging Face decoder directory (e.g. scripts/export_hf.py of a "
+                      "trained run); default: random weights, whose responses all run to "
+                      "max_new_tokens, so no engine shows a tail")
   args = parser.parse_args()
   args.gin_file = args.gin_file or ["configs/text_grpo_tails.gin"]
   args.gin_bindings = ["DecoderConfig.heads = 2", *args.gin_bindings]
@@ -103,8 +108,12 @@ def main():
   if sampler.top_p != 1.0:
     raise SystemExit("bench_rollout compares log-probs at top_p = 1 (the loss's own function)")
   n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources("text"))
-  with nnx.use_eager_sharding(False):
-    model = DecoderLM(model_cfg, nnx.Rngs(args.seed))
+  if args.checkpoint:
+    from knittrans_jax.models import hf
+    model, model_cfg = hf.load(args.checkpoint)
+  else:
+    with nnx.use_eager_sharding(False):
+      model = DecoderLM(model_cfg, nnx.Rngs(args.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   host = jax.device_get(params)
   reqs = requests(args.seed, args.groups, n, sources)
@@ -112,7 +121,8 @@ def main():
   out = {"config": {"gin_file": args.gin_file, "gin_bindings": args.gin_bindings,
                     "groups": args.groups, "n": n, "sources": sources,
                     "max_new_tokens": sampler.max_new_tokens, "head_dim": model_cfg.dim_per_head,
-                    "groups_per_call": job.groups_per_call, "cpus": os.cpu_count()},
+                    "groups_per_call": job.groups_per_call, "cpus": os.cpu_count(),
+                    "checkpoint": args.checkpoint},
          "engines": {}}
   names = args.engines.split(",")
   for name in tqdm(names, desc="engines", unit="engine"):

@@ -54,7 +54,7 @@ def main():
     return
   print()
   for key, value in summary.items():
-    print(f"  {key:<28} {value:.4f}" if isinstance(value, float) else f"  {key:<28} {value}")
+    print(f"  {key:<28} {value:.4g}" if isinstance(value, float) else f"  {key:<28} {value}")
 
 
 if __name__ == "__main__":

@@ -70,3 +70,59 @@ def test_masks_and_the_global_token_mean():
   b = micro([0, 1, 0, 0, 0], 2.0)
   b["behaviour_logp"] = b["behaviour_logp"].at[0, 3].set(100.0)
   np.testing.assert_allclose(ppo_loss_sum(logits, b, cfg)[0], s1)
+
+
+def test_behaviour_corrections_by_hand():
+  """truncate scales a token by min(1, is_high / r) (no gradient through the scale);
+  mask zeroes tokens with r outside [is_low, is_high], gradient included."""
+  import jax
+  behaviour = jnp.zeros((1, 4))
+  logp = jnp.log(jnp.array([[4.0, 1.0, 0.25, 1.1]]))  # ratios 4, 1, 0.25, 1.1
+  adv = jnp.array([-1.0])  # A < 0: no clipping of the large ratio (min picks r A)
+  base = LossConfig(clip_low=0.2, clip_high=0.2)
+  plain, _, _ = ppo_token_terms(logp, behaviour, adv, base)
+  np.testing.assert_allclose(plain[0], [4.0, 1.0, 0.8, 1.1], rtol=1e-6)
+  trunc = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="truncate", is_high=2.0)
+  loss, _, _ = ppo_token_terms(logp, behaviour, adv, trunc)
+  np.testing.assert_allclose(loss[0], [2.0, 1.0, 0.8, 1.1], rtol=1e-6)  # 4 x (2 / 4)
+  # d/dlogp of r * A * sg(2 / r) at r = 4: A * r * (2 / r) = -2 (the capped weight).
+  g = jax.grad(lambda lp: ppo_token_terms(lp, behaviour, adv, trunc)[0].sum())(logp)
+  np.testing.assert_allclose(g[0, 0], 2.0, rtol=1e-6)  # loss = -min(...) * w: d = -A r w
+  mask = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="mask", is_low=0.5,
+                    is_high=2.0)
+  loss, _, _ = ppo_token_terms(logp, behaviour, adv, mask)
+  np.testing.assert_allclose(loss[0], [0.0, 1.0, 0.0, 1.1], rtol=1e-6)
+  g = jax.grad(lambda lp: ppo_token_terms(lp, behaviour, adv, mask)[0].sum())(logp)
+  assert g[0, 0] == 0 and g[0, 2] == 0 and g[0, 1] != 0
+  with pytest.raises(ValueError, match="behaviour_correction = 'tis'"):
+    LossConfig(behaviour_correction="tis")
+  with pytest.raises(ValueError, match="is_low 1.5"):
+    LossConfig(is_low=1.5)
+
+
+def test_lag0_engine_vs_trainer_sums_by_hand():
+  """Rows generated wholly by the parameters' version count; a max merges as a max."""
+  from knittrans_jax.job.metrics import engine_vs_trainer
+  from knittrans_jax.rl.losses import merge_sums
+  tokens = jnp.array([[0, 1, 2], [0, 3, 4], [0, 5, 6]])
+  logits = jnp.zeros((3, 3, 8))  # uniform: every log-prob is -log 8
+  lp = -np.log(8.0)
+  batch = {"tokens": tokens, "loss_mask": jnp.array([[0, 1, 1]] * 3, jnp.float32),
+           "behaviour_logp": jnp.array([[0, lp + 0.1, lp - 0.3], [0, lp + 1, lp], [0, lp, lp + 5]]),
+           "advantages": jnp.ones(3), "version_first": jnp.array([7, 6, 7]),
+           "version_last": jnp.array([7, 7, 8])}
+  _, sums = ppo_loss_sum(logits, batch, LossConfig(), version=7)
+  # Only row 0 is lag 0 (row 1 began at 6, row 2 ended at 8).
+  np.testing.assert_allclose([sums["fresh_tokens"], sums["fresh_logp_abs_diff"],
+                              sums["max_fresh_logp_abs_diff"]], [2, 0.4, 0.3], rtol=1e-5)
+  merged = merge_sums(sums, {**sums, "max_fresh_logp_abs_diff": jnp.float32(0.9)})
+  assert float(merged["max_fresh_logp_abs_diff"]) == pytest.approx(0.9)
+  assert float(merged["fresh_tokens"]) == 4
+  m = engine_vs_trainer(merged)
+  assert m["lag0_tokens"] == 4 and m["logprob_abs_diff_mean"] == pytest.approx(0.2)
+  assert m["logprob_abs_diff_max"] == pytest.approx(0.9)
+  ratios = np.exp(-np.array([0.1, -0.3, 1, 0, 0, 5]))
+  assert m["ratio_std"] == pytest.approx(ratios.std(), rel=1e-4)
+  _, no_version = ppo_loss_sum(logits, batch, LossConfig())
+  assert "fresh_tokens" not in no_version
+  assert engine_vs_trainer(no_version)["logprob_abs_diff_max"] is None
