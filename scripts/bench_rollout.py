@@ -131,7 +131,7 @@ def main():
       spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
                         groups_per_call=per_call, workdir=tmp)
       t0 = time.perf_counter()
-      engine = make_engine(spec, graphdef, host, 0)
+      engine = make_engine(spec, graphdef, host, 0, Suite("text"))
       startup = time.perf_counter() - t0
       timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
       res, groups = timed_run(engine, reqs)

@@ -94,6 +94,12 @@ def test_behaviour_corrections_by_hand():
   np.testing.assert_allclose(loss[0], [0.0, 1.0, 0.0, 1.1], rtol=1e-6)
   g = jax.grad(lambda lp: ppo_token_terms(lp, behaviour, adv, mask)[0].sum())(logp)
   assert g[0, 0] == 0 and g[0, 2] == 0 and g[0, 1] != 0
+  # The KL penalty is not corrected: a masked token keeps its k3 term.
+  ref = jnp.zeros((1, 4))
+  kl = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="mask", kl_coef=0.5)
+  loss, _, _ = ppo_token_terms(logp, behaviour, adv, kl, ref)
+  d = -np.log(4.0)
+  np.testing.assert_allclose(loss[0, 0], 0.5 * (np.exp(d) - d - 1), rtol=1e-5)
   with pytest.raises(ValueError, match="behaviour_correction = 'tis'"):
     LossConfig(behaviour_correction="tis")
   with pytest.raises(ValueError, match="is_low 1.5"):

@@ -98,28 +98,50 @@ def test_behaviour_logprobs_equal_the_trainers(engine, model, temperature, top_p
   assert worst <= 1e-4, worst
 
 
-def test_requests_in_flight_across_an_update_record_both_versions(engine, model):
+def test_requests_in_flight_across_an_update_continue_on_the_new_weights(engine, model):
+  """Tokens sampled before the update keep the old weights' log-probs; the requests are
+  re-prefilled and every later token is the new weights' (teacher-forced trainer
+  forward on the whole sequence); both versions are recorded."""
   config, graphdef, params = model
-  with_sampler(engine, dataclasses.replace(SAMPLER, stop_tokens=()))  # run to the length
+  sampler = dataclasses.replace(SAMPLER, stop_tokens=())  # every response runs to the length
+  with_sampler(engine, sampler)
+  new = jax.tree.map(lambda x: np.asarray(x) * np.float32(1.3), params)
   engine.add(requests(60, groups=2))
   assert engine.step() == []  # prefill and first tokens: in flight
-  engine.update_weights(2, params)
+  before = {rid: len(p[1]) for rid, p in engine.partial.items()}
+  assert before and all(0 < k < sampler.max_new_tokens for k in before.values()), before
+  engine.update_weights(2, new)
   done = []
   while engine.busy:
     done += engine.step()
   assert len(done) == 2
   for g in done:
-    for r in g.responses:
-      assert r.versions == (0, 2) and r.tokens.size == SAMPLER.max_new_tokens
+    for i, r in enumerate(g.responses):
+      k = before[f"{g.request.group_id}:{i}"]
+      assert r.versions == (0, 2) and r.tokens.size == sampler.max_new_tokens
       assert r.finish_reason == "length"
+      old = trainer_logprobs(graphdef, params, g.request.prompt, r.tokens, sampler)
+      fresh = trainer_logprobs(graphdef, new, g.request.prompt, r.tokens, sampler)
+      np.testing.assert_allclose(r.logprobs[:k], old[:k], atol=1e-4)
+      np.testing.assert_allclose(r.logprobs[k:], fresh[k:], atol=1e-4)
+      assert np.abs(old[k:] - fresh[k:]).max() > 1e-2  # the two weights differ there
   engine.update_weights(0, params)
 
 
-def test_a_missing_vllm_or_a_small_head_is_a_clear_error(monkeypatch, model):
+def test_a_missing_vllm_a_small_head_or_an_unsupported_mode_is_a_clear_error(monkeypatch, model):
   from knittrans_jax.rollout import vllm_engine
   config = model[0]
   with pytest.raises(ValueError, match="head dim 16 < 32"):
     vllm_engine.check_model(dataclasses.replace(config, head_dim=16))
+  from knittrans_jax.admission import TrainBatchSpec
+  from knittrans_jax.job.config import JobConfig
+  SPEC = TrainBatchSpec(group_size=4, groups_per_batch=8, num_mini_batches=2)
+  with pytest.raises(ValueError, match="engine = 'vllm' with mode 'colocated'"):
+    JobConfig(SPEC, micro_batch_size=8, engine="vllm", mode="colocated")
+  with pytest.raises(ValueError, match="engine = 'vllm' with suite 'vision'"):
+    JobConfig(SPEC, micro_batch_size=8, engine="vllm", suite="vision")
+  with pytest.raises(ValueError, match="engine = 'sglang'"):
+    JobConfig(SPEC, micro_batch_size=8, engine="sglang")
   monkeypatch.setitem(sys.modules, "vllm", None)
   with pytest.raises(RuntimeError, match="make install-vllm"):
     vllm_engine.check_available()

@@ -56,7 +56,8 @@ class JobConfig:
     sampler, a static batch of up to `groups_per_call` groups per call; every suite) or
     'vllm' (an in-process vLLM engine per worker, continuous batching, each group
     reported the step it finishes; text and math suites, head dim >= 32 on CPU;
-    VllmOptions). The colocated mode and held-out evaluation run the JAX sampler.
+    VllmOptions). Held-out evaluation runs the JAX sampler; the colocated mode (the
+    JAX sampler in the trainer process) refuses 'vllm'.
   stall_timeout_s: a run in which no mini-batch is admitted and no usable group
     finishes for this long stops with an error naming the short sources and what is
     in flight (a hung worker, a source whose groups are all dropped, ...).
@@ -116,6 +117,10 @@ class JobConfig:
                        f"micro_batch_size = {self.micro_batch_size}")
     if self.engine not in ENGINES:
       raise ValueError(f"JobConfig.engine = {self.engine!r}: use one of {ENGINES}")
+    if self.engine == "vllm" and self.mode == "colocated":
+      raise ValueError("JobConfig.engine = 'vllm' with mode 'colocated': the colocated reference "
+                       "generates in the trainer process with the JAX sampler; mode "
+                       "'synchronous' runs the colocated schedule on the vLLM workers")
     if self.engine == "vllm" and self.suite == "vision":
       raise ValueError("JobConfig.engine = 'vllm' with suite 'vision': the VLMs roll out on the "
                        "'jax' engine (docs/rollout.md says why)")

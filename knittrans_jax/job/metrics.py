@@ -17,9 +17,11 @@ def engine_vs_trainer(sums: dict) -> dict:
   (rl/losses.py): |difference| mean and max on tokens at version lag 0 (None when the
   step had none), and the importance ratio's mean and standard deviation."""
   tokens = max(float(sums.get("tokens", 0.0)), 1.0)
-  mean = float(sums.get("ratio", 0.0)) / tokens
-  out = {"ratio_mean": mean,
-         "ratio_std": float(np.sqrt(max(float(sums.get("ratio_sq", 0.0)) / tokens - mean ** 2, 0.0)))}
+  out = {"ratio_mean": None, "ratio_std": None}  # no ratio: the nll objective
+  if "ratio" in sums:
+    mean = float(sums["ratio"]) / tokens
+    var = float(sums["ratio_dev_sq"]) / tokens - (mean - 1.0) ** 2
+    out.update(ratio_mean=mean, ratio_std=float(np.sqrt(max(var, 0.0))))
   fresh = float(sums.get("fresh_tokens", 0.0))
   out["lag0_tokens"] = int(round(fresh))
   out["logprob_abs_diff_mean"] = float(sums["fresh_logp_abs_diff"]) / fresh if fresh else None

@@ -130,7 +130,7 @@ class Job:
     self.trained_sources = tuple(quota) if quota else self.sources
     self._check_model_and_tasks()
     self.engine_options = None
-    if cfg.engine == "vllm" and cfg.mode != "colocated":
+    if cfg.engine == "vllm":
       from knittrans_jax.rollout import vllm_engine
       vllm_engine.check_available()  # before any process starts: what to install
       vllm_engine.check_model(self.model_cfg)

@@ -26,7 +26,7 @@ from knittrans_jax.storage import TrajectoryStore
 
 
 class WorkerPool:
-  timed_generation = True  # Finished.seconds: the worker's sampler call (job/controller.py)
+  timed_generation = True  # Finished.seconds: the group's time in its engine (job/controller.py)
 
   def __init__(self, workdir: str, store: TrajectoryStore, store_url: str, *, local: int,
                worker_args: dict, control_address: str | None = None, store_in_workdir=False,

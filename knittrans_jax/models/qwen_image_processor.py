@@ -96,7 +96,8 @@ def smart_resize(height: int, width: int, factor: int = 28, min_pixels: int = 56
 
 def to_rgb(image) -> Image.Image:
   """A PIL image, or uint8 numpy [H, W] / [H, W, 1|3|4], as an RGB PIL image; an
-  alpha channel is composited over white (as transformers 5.20+ does; 5.19, which vLLM pins, drops the alpha)."""
+  alpha channel is composited over white (as transformers 5.20+ does; 5.19, which vLLM
+  pins, drops the alpha)."""
   if isinstance(image, np.ndarray):
     if image.dtype != np.uint8 or image.ndim not in (2, 3) or \
         (image.ndim == 3 and image.shape[-1] not in (1, 3, 4)):

@@ -44,6 +44,7 @@ from flax import nnx
 
 from knittrans_jax.models.layers import wide
 from knittrans_jax.models.vlm import vlm_forward
+from knittrans_jax.rl.losses import merge_sums
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
@@ -358,5 +359,5 @@ class EncodeOnceStep:
     sums = None
     for batch in micro_batches:
       acc, acc_e, s = self.backbone(params, encoded, acc, acc_e, batch, total_tokens)
-      sums = s if sums is None else jax.tree.map(jnp.add, sums, s)
+      sums = s if sums is None else merge_sums(sums, s)
     return self.encoder_grads(params, images, encoded, acc, acc_e), sums

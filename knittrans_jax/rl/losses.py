@@ -26,10 +26,11 @@ class LossConfig:
   over the rollout engine's behaviour log-prob) is far from 1, which an engine's
   numerics and the staleness both cause (off by default):
     'none'      the clipped surrogate as is;
-    'truncate'  truncated importance sampling: each token's term is scaled by
+    'truncate'  truncated importance sampling: each token's surrogate is scaled by
                 sg(min(1, is_high / r)), so no token weighs more than is_high;
-    'mask'      tokens with r outside [is_low, is_high] get no gradient (their
-                term is 0; they still count in the token mean).
+    'mask'      tokens with r outside [is_low, is_high] get no surrogate gradient
+                (the term is 0; they still count in the token mean).
+  Neither touches the KL penalty.
   """
   clip_low: float = 0.2
   clip_high: float = 0.2
@@ -72,14 +73,15 @@ def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * adv
   loss = -jnp.minimum(unclipped, clipped)
-  if config.kl_coef and ref_logp is not None:
-    d = ref_logp - logp
-    loss = loss + config.kl_coef * (jnp.exp(d) - d - 1.0)
+  # The corrections weigh the surrogate only, not the KL penalty below.
   if config.behaviour_correction == "truncate":
     loss = loss * jax.lax.stop_gradient(jnp.minimum(1.0, config.is_high / ratio))
   elif config.behaviour_correction == "mask":
     keep = (ratio >= config.is_low) & (ratio <= config.is_high)
     loss = jnp.where(jax.lax.stop_gradient(keep), loss, 0.0)
+  if config.kl_coef and ref_logp is not None:
+    d = ref_logp - logp
+    loss = loss + config.kl_coef * (jnp.exp(d) - d - 1.0)
   was_clipped = (clipped < unclipped).astype(jnp.float32)
   return loss, ratio, was_clipped
 
@@ -113,7 +115,8 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, version=Non
       # k1 estimate of KL(behaviour || policy): how far off-policy the data is.
       "behaviour_kl": jnp.sum((batch["behaviour_logp"] - logp) * mask),
       "tokens": jnp.sum(mask),
-      "ratio_sq": jnp.sum(jnp.square(ratio) * mask),
+      # (r - 1)^2, not r^2: its sum keeps the spread of ratios near 1 in float32.
+      "ratio_dev_sq": jnp.sum(jnp.square(ratio - 1.0) * mask),
   }
   if config.behaviour_correction != "none":
     corrected = ratio > config.is_high

@@ -1,6 +1,6 @@
 """The rollout engine interface: what a rollout worker asks of an inference engine.
 
-    engine = make_engine(EngineSpec('vllm', ...), first_weights, version)
+    engine = make_engine(EngineSpec('vllm', ...), graphdef, first_weights, version, suite)
     engine.add(requests)                 # GroupRequests: token-id prompts, n, one seed each
     while engine.busy:
       engine.update_weights(v, params)   # between engine steps, whenever v is published
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import time
 from typing import Any
 
 import numpy as np
@@ -41,6 +40,7 @@ class GroupRequest:
   n: int
   seeds: tuple[int, ...]
   extra: Any = None
+  task: Any = None  # the caller's (the worker scores with it); engines ignore it
 
   def __post_init__(self):
     if len(self.seeds) != self.n:
@@ -57,8 +57,9 @@ class Response:
 
 @dataclasses.dataclass(frozen=True)
 class FinishedGroup:
-  """`seconds`: from the step that started the group to the one that finished it
-  (the decode time dispatch learns from); None when that span included compilation."""
+  """`seconds`: from the start of the engine step that gave the group its first token
+  to the end of the one that finished it (its decode time, which dispatch learns from;
+  not its wait in a queue); None when that span included compilation."""
   request: GroupRequest
   responses: tuple[Response, ...]
   seconds: float | None
@@ -124,24 +125,14 @@ def response_seeds(seed: int, group_id: int, n: int) -> tuple[int, ...]:
   return tuple(int(s) >> 1 for s in state)  # 31 bits: any engine's int seed takes them
 
 
-class Clock:
-  """Seconds since a group was added, for FinishedGroup.seconds."""
-
-  def __init__(self):
-    self.started: dict[int, float] = {}
-
-  def start(self, group_id: int) -> None:
-    self.started[group_id] = time.perf_counter()
-
-  def stop(self, group_id: int) -> float:
-    return time.perf_counter() - self.started.pop(group_id)
-
-
-def make_engine(spec: EngineSpec, graphdef, params, version: int, **jax_kwargs) -> RolloutEngine:
+def make_engine(spec: EngineSpec, graphdef, params, version: int, suite=None) -> RolloutEngine:
   """The engine `spec` names, holding `params` (an nnx.State of host arrays) at `version`.
-  `jax_kwargs`: the JAX engine's task-suite arguments (rollout/jax_engine.py)."""
+  `suite`: the task suite (rollout/groups.Suite) the JAX engine needs for prompt lengths
+  and a vision suite's images. Imported here, not above: vLLM loads only when used."""
   if spec.name == "vllm":
     from knittrans_jax.rollout.vllm_engine import VllmEngine
     return VllmEngine(spec, params, version)
   from knittrans_jax.rollout.jax_engine import JaxEngine
-  return JaxEngine(spec, graphdef, params, version, **jax_kwargs)
+  if suite is None:
+    raise ValueError("the 'jax' rollout engine needs the task suite (rollout/groups.Suite)")
+  return JaxEngine(spec, graphdef, params, version, suite)

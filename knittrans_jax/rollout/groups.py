@@ -9,14 +9,13 @@ suite needs its `MathSource` (config, tokenizer directory), passed as `math`.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import numpy as np
 
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.rollout.engine import FinishedGroup, GroupRequest, response_seeds
+from knittrans_jax.rollout.jax_engine import generate_groups
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.storage import Image
 from knittrans_jax.types import Trajectory
@@ -67,17 +66,6 @@ def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_s
   return tasks.make_task(rng, source)
 
 
-@functools.partial(jax.jit, static_argnums=2)
-def _group_keys(seed, group_ids, n):
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), group_ids)
-  return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
-
-
-def group_keys(seed: int, group_ids: list[int], n: int) -> jax.Array:
-  """One sampling key per response: [len(group_ids) * n], group-major."""
-  return _group_keys(np.uint32(seed), np.asarray(group_ids, np.uint32), n)
-
-
 @dataclasses.dataclass
 class RolledGroup:
   trajectories: list[Trajectory]
@@ -119,12 +107,12 @@ class Suite:
     if self.name == "vision":
       image = self.qwen.stored_image(task) if self.qwen is not None else task.image
     return GroupRequest(group_id, source, np.asarray(self.prompt(task), np.int32), n,
-                        response_seeds(seed, group_id, n), extra=image)
+                        response_seeds(seed, group_id, n), extra=image, task=task)
 
   def rolled(self, seed: int, group: FinishedGroup) -> RolledGroup:
     """A finished group scored: its trajectories, and its image (stored once)."""
     req = group.request
-    task = self.task(seed, req.group_id, req.source)
+    task = req.task if req.task is not None else self.task(seed, req.group_id, req.source)
     score = ({"vision": vision_tasks.score, "text": tasks.score}.get(self.name)
              or self.math.suite().score)
     images = [Image.of(req.extra)] if self.name == "vision" else []  # the only hash of it
@@ -144,11 +132,10 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
   """Generates n responses for each (group id, source) in one JAX sampler call (the
   colocated reference and held-out evaluation; rollout workers run an engine).
 
-  Response i of group g samples with key (seed, g, i) (`group_keys`), so a group
-  comes out the same however groups are batched into calls: a worker's few, the
+  Response i of group g samples with key (seed, g, i) (rollout/jax_engine.group_keys),
+  so a group comes out the same however groups are batched into calls: a worker's few, the
   colocated reference's many (up to float reassociation in batched matmuls).
   """
-  from knittrans_jax.rollout.jax_engine import generate_groups
   tasks_ = Suite(suite, image_size, math, qwen)
   reqs = [tasks_.request(seed, gid, source, n) for gid, source in requests]
   finished = generate_groups(graphdef, params, version, seed, reqs, sampler, tasks_)

@@ -10,8 +10,10 @@ Weights are swapped between calls: every response of a step has one version.
 """
 from __future__ import annotations
 
+import functools
 import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -20,13 +22,23 @@ from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupReques
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def _group_keys(seed, group_ids, n):
+  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), group_ids)
+  return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
+
+
+def group_keys(seed: int, group_ids: list[int], n: int) -> jax.Array:
+  """One sampling key per response: [len(group_ids) * n], group-major."""
+  return _group_keys(np.uint32(seed), np.asarray(group_ids, np.uint32), n)
+
+
 def generate_groups(graphdef, params, version: int, seed: int, requests: list[GroupRequest],
                     sampler: SamplerConfig, suite, seconds: float | None = None
                     ) -> list[FinishedGroup]:
   """Every response of `requests` in one sampler call. Response i of group g samples
-  with key (seed, g, i) (rollout/groups.group_keys). `suite`: rollout/groups.Suite
-  (a vision group's `extra` is its image)."""
-  from knittrans_jax.rollout.groups import group_keys
+  with key (seed, g, i) (`group_keys`). `suite`: rollout/groups.Suite (a vision group's
+  `extra` is its image)."""
   if not requests:
     return []
   n = requests[0].n
@@ -54,16 +66,15 @@ def generate_groups(graphdef, params, version: int, seed: int, requests: list[Gr
 class JaxEngine(RolloutEngine):
   name = "jax"
 
-  def __init__(self, spec: EngineSpec, graphdef, params, version: int, suite=None):
-    from knittrans_jax.rollout.groups import Suite
-    self.spec, self.graphdef, self.suite = spec, graphdef, suite or Suite()
+  def __init__(self, spec: EngineSpec, graphdef, params, version: int, suite):
+    """`suite`: rollout/groups.Suite (prompt length, a vision suite's image inputs)."""
+    self.spec, self.graphdef, self.suite = spec, graphdef, suite
     self.params, self.version = self._device(params), version
     self.queue: list[GroupRequest] = []
     self._compiled: set[int] = set()  # groups-per-call sizes the sampler compiled for
 
   @staticmethod
   def _device(params):
-    import jax
     return jax.tree.map(jnp.asarray, params)
 
   def add(self, requests: list[GroupRequest]) -> None:

@@ -26,11 +26,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import time
 
 import gin
 import numpy as np
 
-from knittrans_jax.rollout.engine import (Clock, EngineSpec, FinishedGroup, GroupRequest,
+from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest,
                                           Response, RolloutEngine)
 
 INSTALL_HINT = ("the 'vllm' rollout engine needs vLLM: `make install-vllm` (vLLM's CPU build, "
@@ -120,7 +121,7 @@ class VllmEngine(RolloutEngine):
     self.groups: dict[int, tuple[GroupRequest, dict[int, Response]]] = {}
     # Per request in flight: the version of its first token, its tokens and log-probs.
     self.partial: dict[str, tuple[int, list[int], list[float]]] = {}
-    self.clock = Clock()
+    self.started: dict[int, float] = {}  # group id -> start of the step of its first token
     self.weight_update_s: list[float] = []
     self._warm_up()
 
@@ -144,7 +145,6 @@ class VllmEngine(RolloutEngine):
       if r.group_id in self.groups:
         raise ValueError(f"group {r.group_id} is already in the engine")
       self.groups[r.group_id] = (r, {})
-      self.clock.start(r.group_id)
       prompt = {"prompt_token_ids": [int(t) for t in r.prompt]}
       for i, seed in enumerate(r.seeds):
         self.engine.add_request(f"{r.group_id}:{i}", prompt, self._params(seed))
@@ -154,18 +154,19 @@ class VllmEngine(RolloutEngine):
     return bool(self.groups)
 
   def step(self) -> list[FinishedGroup]:
-    done = []
+    done, t0 = [], time.perf_counter()
     for out in self.engine.step():
       if out.request_id == "warmup":
         continue
       c = out.outputs[0]  # DELTA: this step's tokens and log-probs
       first, tokens, logprobs = self.partial.setdefault(out.request_id, (self.version, [], []))
+      gid, i = (int(x) for x in out.request_id.split(":"))
+      self.started.setdefault(gid, t0)
       tokens.extend(c.token_ids)
       logprobs.extend(lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs or ()))
       if not out.finished:
         continue
       del self.partial[out.request_id]
-      gid, i = (int(x) for x in out.request_id.split(":"))
       req, responses = self.groups[gid]
       stop = bool(tokens) and tokens[-1] in self.spec.sampler.stop_tokens
       responses[i] = Response(np.asarray(tokens, np.int32), np.asarray(logprobs, np.float32),
@@ -173,11 +174,10 @@ class VllmEngine(RolloutEngine):
       if len(responses) == req.n:
         del self.groups[gid]
         done.append(FinishedGroup(req, tuple(responses[k] for k in range(req.n)),
-                                  self.clock.stop(gid)))
+                                  time.perf_counter() - self.started.pop(gid)))
     return done
 
   def update_weights(self, version: int, params) -> None:
-    import time
     t0 = time.perf_counter()
     self.engine.collective_rpc("knittrans_load", args=(hf_tensors(params),))
     # Drops the old weights' cached prefixes and re-prefills requests in flight.

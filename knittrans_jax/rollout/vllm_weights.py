@@ -43,8 +43,12 @@ class WeightLoader:
     return len(weights)
 
   def _knittrans_repack_head(self) -> None:
+    """A tied head only (an untied one was reloaded, and so re-packed, with the rest)."""
     model = self.model_runner.get_model()
     head = getattr(model, "lm_head", None)
+    embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    if head is None or embed is None or head.weight is not embed.weight:
+      return
     method = getattr(head, "quant_method", None)
     if method is not None and hasattr(method, "process_weights_after_loading"):
       method.process_weights_after_loading(head)

@@ -17,7 +17,10 @@ import multiprocessing
 import os
 import queue
 import signal
+import time
 import traceback
+
+POLL_S = 0.02  # while busy: the queue and the weights are looked at after this much stepping
 
 
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
@@ -50,25 +53,17 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
     rollout = None  # built on the first published weights
     parent = multiprocessing.parent_process()
     while not stop.is_set():
-      try:  # block briefly only while the engine has nothing to do
-        req = requests.get(timeout=0.2) if rollout is None or not rollout.busy else \
-            requests.get_nowait()
+      # Take what is queued; wait a little for it only while the engine is idle.
+      batch, idle = [], rollout is None or not rollout.busy
+      try:
+        batch.append(requests.get(timeout=0.2) if idle else requests.get_nowait())
+        while batch[-1] is not None:
+          batch.append(requests.get_nowait())
       except queue.Empty:
-        req = False
-        if parent is not None and not parent.is_alive():
+        if idle and parent is not None and not parent.is_alive():
           break  # the trainer was killed (SIGKILL): do not linger as an orphan
-      if req is None:
+      if None in batch:  # stop (the pool sets `stop` first): nothing more is reported
         break
-      batch = [req] if req else []
-      while req is not False:  # take what is queued, without waiting
-        try:
-          more = requests.get_nowait()
-        except queue.Empty:
-          break
-        if more is None:
-          stop.set()
-          break
-        batch.append(more)
       update = weights.poll()  # sync point: between engine steps
       if update is not None:
         if rollout is None:
@@ -80,13 +75,17 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
           raise RuntimeError("no published weights to generate with")
         continue
       rollout.add([tasks.request(seed, gid, source, n) for gid, source in batch])
-      if not rollout.busy:
-        continue
-      for group in rollout.step():
-        rolled = tasks.rolled(seed, group)
-        # The group's image is stored once, however many responses share it.
-        metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
-        reports.put(("done", worker_id, group.request.group_id, metas, group.seconds))
+      # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
+      # the weights and `stop`, which for a remote worker are network round trips.
+      deadline = time.perf_counter() + POLL_S
+      while rollout.busy:
+        for group in rollout.step():
+          rolled = tasks.rolled(seed, group)
+          # The group's image is stored once, however many responses share it.
+          metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
+          reports.put(("done", worker_id, group.request.group_id, metas, group.seconds))
+        if time.perf_counter() > deadline:
+          break
     if rollout is not None:
       rollout.close()
   except Exception:  # reported, then the process exits non-zero
