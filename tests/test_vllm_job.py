@@ -33,6 +33,7 @@ STEPS, M, PER_STEP = 40, 4, 32  # 10 train batches of M = 4 mini-batches of g * 
 def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exact(tmp_path):
   work = tmp_path / "run"
   proc = start(work, "JobConfig.mode = 'synchronous'", "JobConfig.train_batches = 10",
+               "JobConfig.workers = 1",
                gin_file="configs/text_grpo_vllm.gin")
   deadline = time.time() + 120
   while not (work / "weights" / "LATEST").exists():  # the first weights: dispatch follows
@@ -42,7 +43,7 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
   assert not records_exist(work)
   workers = [c for c in psutil.Process(proc.pid).children()
              if "spawn_main" in " ".join(c.cmdline())]
-  assert len(workers) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]
+  assert len(workers) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
   workers[0].send_signal(signal.SIGKILL)
   out = finish(proc, timeout=300)
   assert "died" in out and "restarting" in out, out[-3000:]
