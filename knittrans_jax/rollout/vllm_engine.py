@@ -78,11 +78,13 @@ def check_model(config) -> None:
 
 
 def hf_tensors(params) -> list[tuple[str, bytes, str, tuple[int, ...]]]:
-  """A decoder's parameters (nnx.State of host arrays) as (HF name, bytes, dtype, shape)."""
+  """A decoder's parameters (nnx.State of host arrays) as (HF name, bytes, dtype, shape),
+  in float32 as the engine's checkpoint was written (numpy has no bfloat16 to rebuild
+  from bytes; the engine casts to its own dtype as it loads)."""
   from knittrans_jax.models.hf import decoder_tensors
   out = []
   for name, (fetch, _) in sorted(decoder_tensors(params).items()):
-    a = np.ascontiguousarray(fetch())
+    a = np.ascontiguousarray(fetch(), np.float32)
     out.append((name, a.tobytes(), a.dtype.str, a.shape))
   return out
 
