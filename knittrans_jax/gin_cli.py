@@ -42,10 +42,10 @@ def parse(args: argparse.Namespace) -> None:
       f.write(gin.config_str())
 
 
-def save_operative_config(workdir: str) -> str:
+def save_operative_config(workdir: str, name: str = "operative_config.gin") -> str:
   """Writes the operative config (every configurable actually called) to the workdir."""
   os.makedirs(workdir, exist_ok=True)
-  path = os.path.join(workdir, "operative_config.gin")
+  path = os.path.join(workdir, name)
   with open(path, "w") as f:
     f.write(gin.operative_config_str())
   return path

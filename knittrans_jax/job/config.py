@@ -14,6 +14,7 @@ from knittrans_jax.rollout.engine import ENGINES
 from knittrans_jax.rollout.remote import HEARTBEAT_S
 
 MODES = ("disaggregated", "colocated", "synchronous")
+CLUSTERS = ("local", "ray")
 
 
 @gin.configurable
@@ -58,6 +59,9 @@ class JobConfig:
     reported the step it finishes; text and math suites, head dim >= 32 on CPU;
     VllmOptions). Held-out evaluation runs the JAX sampler; the colocated mode (the
     JAX sampler in the trainer process) refuses 'vllm'.
+  cluster: where the roles run: 'local' (this process trains; rollout workers are its
+    child processes; no Ray) or 'ray' (this process is the controller; trainers and
+    rollout workers are Ray actors, RayConfig; cluster/, docs/distributed.md).
   stall_timeout_s: a run in which no mini-batch is admitted and no usable group
     finishes for this long stops with an error naming the short sources and what is
     in flight (a hung worker, a source whose groups are all dropped, ...).
@@ -85,6 +89,7 @@ class JobConfig:
   dispatch: str = "shuffled"
   groups_per_call: int = 4
   engine: str = "jax"
+  cluster: str = "local"
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -124,6 +129,8 @@ class JobConfig:
     if self.engine == "vllm" and self.suite == "vision":
       raise ValueError("JobConfig.engine = 'vllm' with suite 'vision': the VLMs roll out on the "
                        "'jax' engine (docs/rollout.md says why)")
+    if self.cluster not in CLUSTERS:
+      raise ValueError(f"JobConfig.cluster = {self.cluster!r}: use one of {CLUSTERS}")
     if self.groups_per_call < 1:
       raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
     if self.remote_timeout_s <= HEARTBEAT_S:

@@ -14,9 +14,11 @@ Weights go back to the workers through the work dir (rollout/weights.py).
             metrics come back (its one host sync), its groups retire, weights are
             published and, when due, a checkpoint is written.
 
-Under jax.distributed (job/distributed.py) every process is a trainer: process 0
-runs the controller and makes each trainer call on all of them
-(job/trainer_group.py); the others `follow`.
+Where the roles run (JobConfig.cluster): 'local', this process is the controller and
+the trainer, rollout workers are its child processes (job/workers.py); 'ray', this
+process (the driver) is the controller, trainers and rollout workers are Ray actors
+(cluster/: one trainer actor per host under jax.distributed, each building its
+Trainer with this same class, role 'trainer').
 """
 from __future__ import annotations
 
@@ -36,15 +38,15 @@ from tqdm import tqdm
 from knittrans_jax import gin_cli
 from knittrans_jax.admission import make_policy
 from knittrans_jax.admission.dispatch import make_dispatch
+from knittrans_jax.cluster.ray_setup import RayConfig  # noqa: F401  (gin: no Ray imported)
 from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.controller import Controller, JobStalled
-from knittrans_jax.job.distributed import PlanChannel, barrier
 from knittrans_jax.job.evaluation import EvalConfig, Evaluator
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
-from knittrans_jax.job.trainer_group import TrainerGroup, follow
+from knittrans_jax.job.trainer_group import LocalTrainer
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.job.workers import ColocatedPool, WorkerPool
 from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
@@ -92,17 +94,34 @@ def qwen_suite(cfg: JobConfig) -> QwenVisionTasks | None:
       remat=d.remat, attention=d.attention)
 
 
+ROLES = ("local", "driver", "trainer")
+
+
 class Job:
 
   def __init__(self, workdir: str, resume: bool = False, store_url: str | None = None,
-               consumers: int | None = None):
+               consumers: int | None = None, role: str = "local", ray_cfg=None):
     """`store_url` / `consumers` override JobConfig's (job/replay.py trains another
-    run's store, planned over that run's consumers)."""
+    run's store, planned over that run's consumers).
+
+    role: 'local' (the controller and the trainer in this process), 'driver' (the
+    controller; trainer actors on Ray, RayConfig `ray_cfg`) or 'trainer' (a Ray
+    trainer actor, process p of jax.distributed: the trainer only)."""
+    if role not in ROLES:
+      raise ValueError(f"role = {role!r}: use one of {ROLES}")
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.cfg = cfg = JobConfig()
-    self.process, self.processes = jax.process_index(), jax.process_count()
-    self.controller_process = self.process == 0
+    self.role = role
+    if role == "driver":
+      self.process, self.processes = 0, ray_cfg.trainers
+    else:
+      self.process, self.processes = jax.process_index(), jax.process_count()
+    if role == "local" and self.processes > 1:
+      raise ValueError(f"{self.processes} JAX processes: several trainer processes run as Ray "
+                       "actors (JobConfig.cluster = 'ray', RayConfig.trainers; "
+                       "docs/distributed.md)")
+    self.controller_process = role != "trainer"
     self.consumers = consumers or cfg.consumers or self.processes
     self._check_processes()
     self.model_cfg, self.sampler_cfg, self.loss_cfg = model_config(cfg), SamplerConfig(), LossConfig()
@@ -138,56 +157,71 @@ class Job:
       self.engine_options = dataclasses.replace(
           opts, max_model_len=opts.max_model_len or self.prompt_len + self.sampler_cfg.max_new_tokens)
     self.ckpt = Checkpointer(os.path.join(self.workdir, "checkpoints"), CheckpointConfig())
-    if not resume and (self.ckpt.latest_step() is not None
-                       or os.path.exists(os.path.join(self.workdir, "store"))):
+    if role != "trainer" and not resume and (self.ckpt.latest_step() is not None
+                                             or os.path.exists(os.path.join(self.workdir, "store"))):
       raise ValueError(f"{self.workdir} holds a previous run: pass --resume to continue it, "
                        "--overwrite to start over, or another --workdir")
     self.store_url = store_url or cfg.store_url or "file://" + os.path.join(self.workdir, "store")
     # A store elsewhere (s3://, gs://) outlives the work dir and --overwrite: a new run
     # must not write into a previous run's units.
-    if not resume and store_url is None and cfg.store_url and TrajectoryStore.exists(cfg.store_url):
+    if (role != "trainer" and not resume and store_url is None and cfg.store_url
+        and TrajectoryStore.exists(cfg.store_url)):
       raise ValueError(f"JobConfig.store_url = {cfg.store_url!r} holds a previous run's store: "
                        "pass --resume to continue that run, or point JobConfig.store_url at a "
                        "new location")
-    barrier("knittrans_checked")  # every process looked before process 0 creates the store
-    if self.controller_process:
+    if self.controller_process:  # the trainers open it (Ray: once the driver made it)
       self.store = TrajectoryStore.create(self.store_url, StoreSchema(
           sources=self.sources, max_prompt_len=self.prompt_len,
           max_response_len=self.sampler_cfg.max_new_tokens))
-    barrier("knittrans_store_created")
-    if not self.controller_process:
+    else:
       self.store = TrajectoryStore.open(self.store_url)
-    self.trainer, progress = self._build_trainer(resume)
-    self.trainers = TrainerGroup(self.trainer, PlanChannel(), self.workdir)
     self.log, self.evaluator = None, None
+    if role == "driver":
+      if cfg.mode == "colocated":
+        raise ValueError("JobConfig.mode = 'colocated' with JobConfig.cluster = 'ray': the "
+                         "colocated reference generates in the trainer's process; run it "
+                         "locally (mode 'synchronous' is its schedule on Ray's workers)")
+      from knittrans_jax.cluster.trainer_actors import RayTrainerGroup
+      import gin
+      self.trainers = RayTrainerGroup(ray_cfg, self.workdir, resume, self.store_url,
+                                      self.consumers, gin.config_str())
+      self.rows_multiple, progress = self.trainers.rows_multiple, self.trainers.progress
+      encode_once = self.trainers.encode_once
+    else:
+      self.trainer, progress = self._build_trainer(resume)
+      self.restored_progress = progress
+      self.trainers = LocalTrainer(self.trainer, self.workdir)
+      encode_once = self.trainer.encode_once is not None
     if self.controller_process:
       spec = cfg.spec
       self.planner = StepPlanner(
           self.consumers, cfg.micro_batch_size, self.loss_cfg.normalize_adv_std,
           image_slots=(encode_once_slots(self.rows_multiple, self.consumers,
                                          spec.mini_batch_groups)
-                       if self.trainer.encode_once is not None else None))
+                       if encode_once else None))
       self.progress = ControllerState.from_json(progress) if progress else ControllerState()
       policy = make_policy(cfg.policy if cfg.mode == "disaggregated" else "train_batch", spec)
       # Prompt sources in quota-exact blocks of G, ordered by the dispatch policy.
       self.stream = make_dispatch(cfg.dispatch, spec, self.sources,
                                   np.random.default_rng(cfg.seed))
       self.policy = policy
-      self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.trainer.version)
+      self.log = MetricsLog(self.workdir, spec, resume=resume, upto_step=self.trainers.version)
       eval_cfg = EvalConfig()
       self.evaluator = None
       if eval_cfg.every_steps:
         if self.qwen is not None:
           raise ValueError("EvalConfig.every_steps: held-out evaluation of a Qwen-VL policy is "
                            "not built yet; set it to 0")
-        if self.processes > 1:
-          raise ValueError("EvalConfig.every_steps: held-out evaluation runs in one trainer "
-                           f"process for now; this job has {self.processes}")
+        if role == "driver":
+          raise ValueError("EvalConfig.every_steps: held-out evaluation runs in a local "
+                           "run's trainer process for now (JobConfig.cluster = 'local'); set "
+                           "it to 0 on Ray")
         self.evaluator = Evaluator(
             eval_cfg, self.graphdef, self.sampler_cfg, cfg.suite, self.trained_sources, cfg.seed,
             self.vit_cfg.image_size if self.vision else 0, self.math)
     # As t5x does: the operative config right after set-up, so a crashed run has it.
-    gin_cli.save_operative_config(self.workdir)
+    if self.controller_process:
+      gin_cli.save_operative_config(self.workdir)
 
   # -- set-up ---------------------------------------------------------------------------
   def _check_processes(self) -> None:
@@ -307,6 +341,15 @@ class Job:
 
   def _pool(self):
     cfg = self.cfg
+    worker_args = dict(seed=cfg.seed, n=cfg.spec.group_size, model_config=self.model_cfg,
+                       sampler_config=self.sampler_cfg, suite=cfg.suite, vit_config=self.vit_cfg,
+                       math=self.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
+                       engine_options=self.engine_options)
+    if self.role == "driver":
+      from knittrans_jax.cluster.rollout_actors import RayWorkerPool
+      estimate = getattr(self.stream, "estimate", lambda source: None)
+      return RayWorkerPool(self.workdir, self.store, self.store_url, workers=cfg.workers,
+                           worker_args=worker_args, cfg=self.trainers.cfg, estimate=estimate)
     if cfg.mode == "colocated":
       image_size = self.vit_cfg.image_size if self.vision else 0
       generate = lambda requests: rollout_groups(  # noqa: E731  (the current weights)
@@ -316,13 +359,7 @@ class Job:
     return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
                       control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
                       control_advertise=cfg.control_advertise,
-                      remote_timeout_s=cfg.remote_timeout_s,
-                      worker_args=dict(seed=cfg.seed, n=cfg.spec.group_size,
-                                       model_config=self.model_cfg,
-                                       sampler_config=self.sampler_cfg, suite=cfg.suite,
-                                       vit_config=self.vit_cfg, math=self.math,
-                                       groups_per_call=cfg.groups_per_call,
-                                       engine=cfg.engine, engine_options=self.engine_options))
+                      remote_timeout_s=cfg.remote_timeout_s, worker_args=worker_args)
 
   # -- the loop ---------------------------------------------------------------------------
   def run(self) -> dict:
@@ -359,21 +396,25 @@ class Job:
       self.bar.close()
       if pool is not None:
         pool.close()
-      stalled = isinstance(sys.exc_info()[1], JobStalled)  # raised between steps
-      if completed or stalled or self.processes == 1:
-        try:
-          if hasattr(self, "controller"):
-            trainers.save(self.controller.progress(), force=True)
-        finally:
-          trainers.finish()
-      else:
-        # A failure may have come mid-step, with the others inside a collective: no
-        # collective checkpoint now (the last periodic one stands); tell them to stop.
-        trainers.abort(repr(sys.exc_info()[1]))
-    self.log.close()
+      error = sys.exc_info()[1]
+      stalled = isinstance(error, JobStalled)  # raised between steps
+      lost = type(error).__name__ == "TrainerLost"  # Ray: the group is rebuilt (cluster/)
+      try:
+        if not lost and (completed or stalled or self.processes == 1):
+          try:
+            if hasattr(self, "controller"):
+              trainers.save(self.controller.progress(), force=True)
+          finally:
+            trainers.finish()
+        else:
+          # A failure may have come mid-step, with the others inside a collective: no
+          # collective checkpoint now (the last periodic one stands); tell them to stop.
+          trainers.abort(repr(error))
+      finally:
+        self.log.close()
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
-                               exposed_data_wait_s=self.trainer.exposed_wait_s,
-                               raw_transfer_s=self.trainer.raw_transfer_s, mode=cfg.mode,
+                               exposed_data_wait_s=trainers.exposed_wait_s,
+                               raw_transfer_s=trainers.raw_transfer_s, mode=cfg.mode,
                                policy=self.policy.name, groups=dict(self.progress.retired),
                                worker_restarts=getattr(pool, "restarts", 0),
                                dispatch=cfg.dispatch, dispatch_estimates_s={
@@ -432,11 +473,9 @@ class Job:
         trainers.save(ctl.progress())
 
 
-def run(workdir: str, resume: bool = False) -> dict | None:
-  """Runs the job; in a process other than 0 of a distributed trainer, follows the
-  controller and returns None."""
-  job = Job(workdir, resume)
-  if not job.controller_process:
-    follow(job.trainer, job.trainers.channel, job.workdir)
-    return None
-  return job.run()
+def run(workdir: str, resume: bool = False) -> dict:
+  """Runs the job where JobConfig.cluster says; returns the summary."""
+  if JobConfig().cluster == "ray":
+    from knittrans_jax.cluster.ray_job import run_on_ray
+    return run_on_ray(workdir, resume)
+  return Job(workdir, resume).run()

@@ -44,7 +44,6 @@ import numpy as np
 
 from knittrans_jax.dataplane import PrefetchingReader
 from knittrans_jax.dataplane.centralized import CentralizedReader
-from knittrans_jax.job import distributed
 from knittrans_jax.job.batching import build_batch
 from knittrans_jax.job.work import StepWork
 from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
@@ -285,12 +284,13 @@ class Trainer:
                  "readable rows are still used")
 
   # -- weights, checkpoints, the end ----------------------------------------------------
-  def publish(self) -> None:
-    """Every process writes its parameter shards; process 0 makes the version latest."""
+  def write_weights(self) -> None:
+    """This process's parameter shards of the current version (every process)."""
     self.publisher.write_part(self.version, self.state.params)
-    distributed.all_done(f"weights/{self.version}")
-    if self.process == 0:
-      self.publisher.commit(self.version, parts=self.processes)
+
+  def commit_weights(self) -> None:
+    """(process 0, once every process wrote its part) The version becomes the latest."""
+    self.publisher.commit(self.version, parts=self.processes)
 
   def save_due(self) -> bool:
     return self.checkpointer.should_save(self.version)

@@ -17,6 +17,7 @@ import multiprocessing
 import os
 import queue
 import signal
+import threading
 import time
 import traceback
 
@@ -28,9 +29,10 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
                 math=None, host: str | None = None, engine: str = "jax",
                 engine_options=None) -> None:
-  signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  os.environ["XLA_FLAGS"] = ""  # one device per worker
+  if threading.current_thread() is threading.main_thread():  # a process of its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ["XLA_FLAGS"] = ""  # one device per worker
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
