@@ -128,10 +128,13 @@ class RayWorkerPool:
     self.started = {w: time.monotonic() for w in self.actors}  # a (re)start's first group
     self.warm: set[int] = set()  # workers that have finished a group since they (re)started
     self.deaths = collections.Counter()
+    self.recovering: dict[int, object] = {}  # worker -> a ping to its restarted actor
     self.restarts = 0
 
   def _alive(self) -> list[int]:
-    return [w for w in self.actors if self.deaths[w] <= self.cfg.worker_restarts]
+    """Workers that can take groups: not dead for good, not being restarted."""
+    return [w for w in self.actors
+            if self.deaths[w] <= self.cfg.worker_restarts and w not in self.recovering]
 
   def can_take(self) -> bool:
     return bool(self._alive())
@@ -189,7 +192,8 @@ class RayWorkerPool:
           events += self._lose(w, why)
     elif timeout:
       time.sleep(timeout)
-    if not self._alive():
+    self._check_recovering()
+    if not self._alive() and not self.recovering:
       raise RuntimeError(f"every rollout actor died more than RayConfig.worker_restarts = "
                          f"{self.cfg.worker_restarts} times")
     return events
@@ -205,7 +209,29 @@ class RayWorkerPool:
       del self.calls[ref]
     self.warm.discard(w)
     self.started[w] = time.monotonic()
+    if self.deaths[w] <= self.cfg.worker_restarts:
+      self.recovering[w] = self.actors[w].pid.remote()
     return self._release(w)
+
+  def _check_recovering(self) -> None:
+    """A restarted actor takes groups again once it answers; calls made while Ray
+    restarts it would fail at once (ActorUnavailableError) and count as deaths."""
+    ray = self.ray
+    for w, ref in list(self.recovering.items()):
+      if not ray.wait([ref], timeout=0)[0]:
+        if time.monotonic() - self.started[w] > self.cfg.startup_timeout_s:
+          raise RuntimeError(f"rollout actor {w} did not come back within "
+                             f"RayConfig.startup_timeout_s = {self.cfg.startup_timeout_s:g} s")
+        continue
+      try:
+        ray.get(ref)
+      except ray.exceptions.ActorUnavailableError:  # still restarting: ask again
+        self.recovering[w] = self.actors[w].pid.remote()
+        continue
+      except ray.exceptions.RayActorError:  # dead for good (its restarts are spent)
+        self.deaths[w] = self.cfg.worker_restarts + 1
+      del self.recovering[w]
+      self.started[w] = time.monotonic()
 
   def _release(self, w: int) -> list:
     held = {gid: s for gid, (ww, s) in self.held.items() if ww == w}
