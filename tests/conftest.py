@@ -14,6 +14,19 @@ def _clear_gin():
   yield
   gin.clear_config()
 
+@pytest.fixture(scope="session")
+def local_ray(tmp_path_factory):
+  """One local Ray for the suite, started by the first test that asks: bound to the
+  loopback alias 127.0.0.2 (Ray replaces 127.0.0.1 with the host's routable address),
+  token authentication on; yields the token file's path."""
+  ray = pytest.importorskip("ray")
+  from knittrans_jax.cluster import ray_setup
+  work = tmp_path_factory.mktemp("ray")
+  assert ray_setup.connect(ray_setup.RayConfig(node_address="127.0.0.2", num_cpus=8), str(work))
+  yield str(work / "ray" / "auth_token")
+  ray.shutdown()
+
+
 # Tests are deterministic: hypothesis draws the same examples on every run.
 from hypothesis import settings as _hyp_settings  # noqa: E402
 

@@ -1,24 +1,32 @@
-"""The trainer as 2 processes under jax.distributed equals one process on the same data."""
+"""The trainer as 2 Ray trainer actors under jax.distributed equals one process on the
+same data (cluster/trainer_actors.py; the driver is this test process), through the
+loss of one of them: trainer 1 is SIGKILLed after step 3, the group is rebuilt on a
+new port and the run resumes from the step-2 checkpoint (cluster/ray_job.py)."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import gin
 import jax
 import numpy as np
 import pytest
 
-from knittrans_jax.job.distributed import ProcessSetup
+from knittrans_jax import gin_cli
+from knittrans_jax.job.distributed import ProcessSetup, initialize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_process_setup_errors():
   with pytest.raises(ValueError, match="coordinator_address"):
-    ProcessSetup(None, 2, 0)
+    initialize(ProcessSetup(None, 2, 0))
   with pytest.raises(ValueError, match="process_id = 2"):
     ProcessSetup("localhost:1", 2, 2)
   with pytest.raises(ValueError, match="num_processes = 0"):
@@ -26,16 +34,32 @@ def test_process_setup_errors():
 
 
 @pytest.fixture(scope="module")
-def two_process_run(tmp_path_factory):
+def two_process_run(local_ray, tmp_path_factory):
+  from knittrans_jax.job.run import run as run_job
   run = tmp_path_factory.mktemp("dist") / "run"
-  # 2 trainer processes x 4 CPU devices, FSDP over all 8 (parameters split across
-  # the processes, so publishing weights needs the cross-process gather), 2 workers.
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes", "2",
-         "--devices_per_process", "4", "--", "--gin_file", "configs/text_grpo_test.gin",
-         "--gin_file", "configs/mesh/fsdp.gin", "--gin_bindings", "JobConfig.train_batches = 2",
-         "--workdir", str(run)]
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=400)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+  # 2 trainer actors x 4 CPU devices, FSDP over all 8 (parameters split across the
+  # processes, so each publishes only its shards), 2 rollout actors.
+  gin_cli.parse(argparse.Namespace(
+      gin_file=["configs/text_grpo_test.gin", "configs/mesh/fsdp.gin"], workdir=str(run),
+      gin_bindings=["JobConfig.train_batches = 2", "JobConfig.cluster = 'ray'",
+                    "RayConfig.trainers = 2", "RayConfig.devices_per_trainer = 4",
+                    "RayConfig.trainer_strategy = 'PACK'"]))
+  killed = []
+
+  def kill_trainer1():  # once step 3 is recorded: steps 1-2 are in the step-2 checkpoint
+    deadline = time.time() + 300
+    while time.time() < deadline:
+      metrics = run / "metrics.jsonl"
+      if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+        killed.append(int((run / "logs" / "trainer1.pid").read_text()))
+        os.kill(killed[0], signal.SIGKILL)
+        return
+      time.sleep(0.05)
+  threading.Thread(target=kill_trainer1, daemon=True).start()
+  summary = run_job(str(run))
+  gin.clear_config()
+  assert killed and summary["trainer_rebuilds"] == 1, summary
+  assert int((run / "logs" / "trainer1.pid").read_text()) != killed[0]  # a new actor
   return run
 
 
@@ -48,13 +72,19 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
   assert summary["steps"] == 4 and summary["quota_violations"] == 0
   records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
   trained = [i for r in records for i in r["ids"]]
+  # As an uninterrupted run: every mini-batch of both train batches once, in order
+  # (the killed run's step 3 was rolled back with its checkpoint and trained again).
+  assert [(r["train_batch"], r["index"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+  assert len(trained) == len(set(trained)) == 4 * 16
 
-  # Each process read only its own consumer's rows: disjoint halves of what trained.
+  # Each process of the rebuilt group read only its own consumer's rows: disjoint
+  # halves of what steps 3-4 trained.
   reads = [json.loads((run / "logs" / f"trainer{p}.json").read_text())["read_ids"]
            for p in range(2)]
-  assert len(reads[0]) == len(reads[1]) == len(trained) // 2
+  resumed = [i for r in records[2:] for i in r["ids"]]
+  assert len(reads[0]) == len(reads[1]) == len(resumed) // 2
   assert not set(reads[0]) & set(reads[1])
-  assert sorted(reads[0] + reads[1]) == sorted(trained)
+  assert sorted(reads[0] + reads[1]) == sorted(resumed)
 
   # One process, 8 devices, the same mini-batches from the run's store.
   gin.parse_config_file(str(run / "config.gin"))
@@ -99,16 +129,10 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   assert set(job.quarantine.bad_rows) == {m.id for m in lost}
 
 
-def test_launcher_reports_a_failed_process(tmp_path):
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--processes", "2",
-         "--devices_per_process", "1", "--", "--gin_file", "configs/text_grpo_test.gin",
-         "--gin_bindings", "JobConfig.no_such_knob = 1", "--workdir", str(tmp_path / "run")]
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
-  assert out.returncode != 0
-  assert "exited with code" in out.stderr and "no_such_knob" in out.stderr + out.stdout
+def test_overwrite_and_resume_exclude_each_other(tmp_path):
   (tmp_path / "keep").mkdir()
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "launch_local.py"), "--",
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
          "--workdir", str(tmp_path / "keep"), "--overwrite", "--resume"]
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 2 and "exclude each other" in out.stderr
   assert (tmp_path / "keep").exists()  # nothing was deleted

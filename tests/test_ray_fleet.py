@@ -1,14 +1,12 @@
-"""The fleet on Ray on this machine (cluster/): one local Ray for the module, bound
-to the loopback alias 127.0.0.2 (Ray replaces 127.0.0.1 with the host's routable
-address), token authentication on. The driver is this test process.
+"""The fleet on Ray on this machine (cluster/), on the suite's local Ray (conftest.py:
+bound to the loopback alias 127.0.0.2, token authentication on). The driver is this
+test process.
 
 - the token file is owner-only, and a client without the token is refused;
 - a job with a rollout actor SIGKILLed and another one SIGSTOPped (hung): both
   restarted, their groups re-dispatched, every trajectory trained once;
-- a job with one of its two trainer actors (jax.distributed) SIGKILLed after a
-  checkpoint: the group is rebuilt on a new port and resumed, and the run trains
-  every mini-batch of every train batch once, as an uninterrupted run does.
-The job across namespaced hosts is tests/test_netns_hosts.py.
+A trainer actor killed (the group rebuilt and resumed) is tests/test_distributed.py's
+run; the job across namespaced hosts, with a link cut, is tests/test_netns_hosts.py.
 """
 import argparse
 import json
@@ -29,15 +27,6 @@ from knittrans_jax.cluster import ray_setup
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 STEPS = 6  # configs/text_grpo_test.gin: 3 train batches of 2 mini-batches
-
-
-@pytest.fixture(scope="module")
-def local_ray(tmp_path_factory):
-  work = tmp_path_factory.mktemp("ray")
-  started = ray_setup.connect(ray_setup.RayConfig(node_address="127.0.0.2", num_cpus=8), str(work))
-  assert started
-  yield str(work / "ray" / "auth_token")
-  ray.shutdown()
 
 
 def parse(workdir, *bindings):
@@ -144,24 +133,3 @@ def test_rollout_actors_killed_or_hung_are_restarted_and_nothing_is_lost(local_r
   out = capsys.readouterr().out
   assert out.count("rollout actor 0 died") == 1 and "rollout actor 1 hung: group" in out, out[-3000:]
   assert summary["cluster"] == "ray" and summary["trainer_rebuilds"] == 0
-
-
-def test_a_killed_trainer_actor_rebuilds_the_group_and_resumes(local_ray, tmp_path):
-  from knittrans_jax.job.run import run
-  work = str(tmp_path / "run")
-  parse(work, "RayConfig.trainers = 2", "RayConfig.devices_per_trainer = 2")
-  first = []
-
-  def kill_trainer():  # steps 1-2 are in the step-2 checkpoint
-    first.append(pid_file(work, "trainer1"))
-    os.kill(first[0], signal.SIGKILL)
-  killed = after_steps(work, 3, kill_trainer)
-  summary = run(work)
-  assert killed.is_set() and first
-  assert summary["trainer_rebuilds"] == 1, summary
-  assert pid_file(work, "trainer1") != first[0]  # a new actor
-  summary, recs = check_trained(work, STEPS)
-  # As an uninterrupted run: every mini-batch of every train batch once, in order.
-  assert [(r["train_batch"], r["index"]) for r in recs] == [(k, j) for k in range(3) for j in range(2)]
-  trainers = [json.load(open(os.path.join(work, "logs", f"trainer{p}.json"))) for p in (0, 1)]
-  assert [t["processes"] for t in trainers] == [2, 2]

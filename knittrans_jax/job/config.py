@@ -11,7 +11,6 @@ from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 from knittrans_jax.models.hf import read_config
 from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
 from knittrans_jax.rollout.engine import ENGINES
-from knittrans_jax.rollout.remote import HEARTBEAT_S
 
 MODES = ("disaggregated", "colocated", "synchronous")
 CLUSTERS = ("local", "ray")
@@ -46,9 +45,6 @@ class JobConfig:
     tasks as its token sequences (rollout/qwen_vision_tasks.py, QwenVisionTaskConfig).
   encode_once: (vision) the deduplicated step, each image encoded once per
     mini-batch (multimodal/); False runs the naive step, the encoder per trajectory.
-  control_address: HOST:PORT where the controller serves rollout workers on other
-    hosts (scripts/rollout_worker.py; port 0 picks a free one); None: local
-    workers only. `workers` local ones are started either way (0 is allowed then).
   consumers: data-parallel consumers a mini-batch is planned over (dataplane/);
     default one per trainer process. Each process trains its consumers' rows; one
     process given C > 1 trains all C's rows (the single-process reference of a
@@ -81,9 +77,6 @@ class JobConfig:
   suite: str = "text"  # or 'vision'
   encode_once: bool = True
   consumers: int | None = None
-  control_address: str | None = None
-  control_advertise: str | None = None
-  remote_timeout_s: float = 15.0
   stall_timeout_s: float = 600.0
   checkpoint: str | None = None
   dispatch: str = "shuffled"
@@ -133,9 +126,6 @@ class JobConfig:
       raise ValueError(f"JobConfig.cluster = {self.cluster!r}: use one of {CLUSTERS}")
     if self.groups_per_call < 1:
       raise ValueError(f"JobConfig.groups_per_call = {self.groups_per_call} must be >= 1")
-    if self.remote_timeout_s <= HEARTBEAT_S:
-      raise ValueError(f"JobConfig.remote_timeout_s = {self.remote_timeout_s} must exceed the "
-                       f"{HEARTBEAT_S:g} s heartbeat, or live workers are released")
     if self.stall_timeout_s <= 0:
       raise ValueError(f"JobConfig.stall_timeout_s = {self.stall_timeout_s} must be > 0")
     if self.mode == "disaggregated":
@@ -145,10 +135,8 @@ class JobConfig:
       if self.groups_in_flight < need:
         raise ValueError(f"JobConfig.window = {self.groups_in_flight} groups in flight cannot "
                          f"hold {why} = {need} groups: nothing could ever be admitted")
-    if self.mode != "colocated" and (self.workers < 0 or (
-        self.workers == 0 and not self.control_address)):
-      raise ValueError(f"JobConfig.workers = {self.workers}: at least one local worker, unless "
-                       "remote ones can join (JobConfig.control_address)")
+    if self.mode != "colocated" and self.workers < 1:
+      raise ValueError(f"JobConfig.workers = {self.workers}: at least one rollout worker")
 
   @property
   def groups_in_flight(self) -> int:

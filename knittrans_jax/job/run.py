@@ -356,10 +356,8 @@ class Job:
           self.graphdef, self.trainer.state.params, self.trainer.version, cfg.seed, requests,
           cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size, self.math, qwen=self.qwen)
       return ColocatedPool(generate, self.store.writer("colocated"))
-    return WorkerPool(self.workdir, self.store, self.store_url, local=cfg.workers,
-                      control_address=cfg.control_address, store_in_workdir=cfg.store_url is None,
-                      control_advertise=cfg.control_advertise,
-                      remote_timeout_s=cfg.remote_timeout_s, worker_args=worker_args)
+    return WorkerPool(self.workdir, self.store_url, workers=cfg.workers, worker_args=worker_args,
+                      store=self.store)
 
   # -- the loop ---------------------------------------------------------------------------
   def run(self) -> dict:

@@ -1,12 +1,11 @@
 """The rollout side as the controller sees it: a pool that takes (group id, source)
 requests and returns Finished / Failed events (job/controller.py).
 
-WorkerPool      `local` worker processes (spawned, one CPU device each) and, with a
-                control address, workers that join from other hosts
-                (rollout/remote.py). Supervises them: a dead local worker is
-                restarted; a remote one silent for its timeout is forgotten. Either
-                way, the groups it held that are fully committed in its unit count as
-                finished and the rest are reported failed (the controller replaces them).
+WorkerPool      `workers` rollout processes on this host (spawned, one CPU device
+                each). A dead one is restarted: the groups it held that are fully
+                committed in its unit count as finished, the rest are reported
+                failed (the controller replaces them). On Ray the workers are actors
+                (cluster/rollout_actors.RayWorkerPool, the same interface).
 ColocatedPool   no workers: `poll` generates the requested groups in this process
                 with the trainer's current weights, then reports them (the colocated
                 reference, synchronous execution).
@@ -20,7 +19,6 @@ import time
 from typing import Callable
 
 from knittrans_jax.job.controller import Failed, Finished
-from knittrans_jax.rollout.remote import ControlServer
 from knittrans_jax.rollout.worker import worker_main
 from knittrans_jax.storage import TrajectoryStore
 
@@ -28,10 +26,8 @@ from knittrans_jax.storage import TrajectoryStore
 class WorkerPool:
   timed_generation = True  # Finished.seconds: the group's time in its engine (job/controller.py)
 
-  def __init__(self, workdir: str, store: TrajectoryStore, store_url: str, *, local: int,
-               worker_args: dict, control_address: str | None = None, store_in_workdir=False,
-               control_advertise: str | None = None, remote_timeout_s: float = 15.0,
-               log: Callable[[str], None] = print):
+  def __init__(self, workdir: str, store_url: str, *, workers: int, worker_args: dict,
+               store: TrajectoryStore, log: Callable[[str], None] = print):
     self.workdir, self.store, self.store_url = workdir, store, store_url
     self.args, self.log = worker_args, log
     self._ctx = mp.get_context("spawn")
@@ -40,17 +36,8 @@ class WorkerPool:
     self.requests: dict[int, mp.Queue] = {}
     self.held: dict[int, tuple[int, str]] = {}  # group id -> (worker, source)
     self.restarts = 0
-    for w in range(local):
+    for w in range(workers):
       self._start(w)
-    self.control = None
-    if control_address:
-      used = [int(u[6:]) for u in store.units() if u.startswith("worker") and u[6:].isdigit()]
-      self.control = ControlServer(workdir, control_address, max([local - 1, *used]) + 1,
-                                   dict(store_url=store_url, store_in_workdir=store_in_workdir,
-                                        **worker_args),
-                                   timeout_s=remote_timeout_s, advertise=control_advertise)
-      log(f"serving remote rollout workers at {self.control.address} "
-          f"(scripts/rollout_worker.py --workdir {workdir})")
 
   def _start(self, w: int) -> None:
     a = self.args
@@ -64,44 +51,33 @@ class WorkerPool:
     p.start()
     self.procs[w] = p
 
-  def _ready(self) -> list[int]:
-    return [*self.procs, *(self.control.alive() if self.control else ())]
-
   def can_take(self) -> bool:
-    return bool(self._ready())
+    return bool(self.procs)
 
   def submit(self, group_id: int, source: str) -> None:
     load = collections.Counter(w for w, _ in self.held.values())
-    w = min(self._ready(), key=lambda w: (load[w], w))
-    (self.requests[w] if w in self.procs else self.control.requests[w]).put((group_id, source))
+    w = min(self.procs, key=lambda w: (load[w], w))
+    self.requests[w].put((group_id, source))
     self.held[group_id] = (w, source)
 
   def poll(self, timeout: float) -> list:
     events = []
-    queues = [self.reports, self.control.reports] if self.control else [self.reports]
-    for k, q in enumerate(queues):
+    try:
+      msg = self.reports.get(timeout=timeout)
+    except queue.Empty:
+      msg = None
+    while msg is not None:
+      events += self._handle(msg)
       try:
-        msg = q.get(timeout=timeout if k == 0 else 0)
+        msg = self.reports.get_nowait()
       except queue.Empty:
-        continue
-      while msg is not None:
-        events += self._handle(msg)
-        try:
-          msg = q.get_nowait()
-        except queue.Empty:
-          msg = None
+        msg = None
     for w, p in list(self.procs.items()):
       if not p.is_alive():
         self.log(f"\nrollout worker {w} died (exit code {p.exitcode}); restarting it")
         self.restarts += 1
         events += self._release(w)
         self._start(w)
-    if self.control:
-      for w in self.control.silent():
-        self.log(f"\nremote rollout worker {w} silent for {self.control.timeout_s:g} s; "
-                 "re-dispatching what it held")
-        self.control.forget(w)
-        events += self._release(w)
     return events
 
   def _handle(self, msg) -> list:
@@ -110,11 +86,6 @@ class WorkerPool:
       if self.held.pop(gid, None) is None:
         return []  # already released (its worker was lost): reported from the store then
       return [Finished(tuple(metas), seconds)]
-    if msg[0] in ("alive", "hello"):
-      if msg[0] == "hello":
-        self.log(f"\nremote rollout worker {msg[1]} joined from {msg[2]}")
-      self.control.seen(msg[1])
-      return []
     self.log(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
     return []
 
@@ -137,13 +108,11 @@ class WorkerPool:
 
   def describe(self) -> str:
     load = collections.Counter(w for w, _ in self.held.values())
-    workers = [f"worker {w}: {load[w]} groups" for w in sorted({*self._ready(), *load})]
+    workers = [f"worker {w}: {load[w]} groups" for w in sorted({*self.procs, *load})]
     return ", ".join(workers) or "no worker connected"
 
   def close(self) -> None:
     self.stop.set()
-    if self.control:
-      self.control.close()
     for q in self.requests.values():
       q.put(None)
     deadline = time.monotonic() + 5.0  # a worker mid-call finishes it; a hung one is killed

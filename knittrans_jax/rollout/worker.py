@@ -78,7 +78,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
         continue
       rollout.add([tasks.request(seed, gid, source, n) for gid, source in batch])
       # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
-      # the weights and `stop`, which for a remote worker are network round trips.
+      # the weights and `stop`.
       deadline = time.perf_counter() + POLL_S
       while rollout.busy:
         for group in rollout.step():
