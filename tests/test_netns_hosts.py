@@ -1,24 +1,27 @@
-"""The job across real hosts on one machine: each role on its own network namespace
-(knittrans_jax/testing/netns.py; scripts/launch_hosts.py runs the job).
+"""The job on a Ray cluster across hosts on one machine: each host a network namespace
+(knittrans_jax/testing/netns.py), token authentication on.
 
-One run of 6 steps shows the three things (one run: the file's time budget holds
-one job's start-up, not three): 2 trainer hosts under jax.distributed, 2 rollout
-hosts, the store on the store host's S3 server (moto, testing/s3_server.py).
-- rollout1 is unplugged after step 1: the controller releases its worker after
-  JobConfig.remote_timeout_s and dispatches the groups it held again (b);
-- once the step-4 checkpoint is written, every process on both trainer hosts is
-  SIGKILLed; they start again with --resume (rollout1 plugged in again) (c);
-- the job completes with every trajectory trained once (a).
-Skipped, with the reason, without root or network namespaces.
+  head      Ray head (GCS), the driver (scripts/train.py), trainer 0, rollout actor 0
+  trainer1  a Ray node: trainer 1 (jax.distributed with trainer 0 over the hosts'
+            addresses; gloo listens on each node's address)
+  rollout1  a Ray node: rollout actor 1; its link is cut after step 1
+
+One run shows: a client on another host without the token is refused; the cut node
+is declared dead within 10 s (health checks every 1 s, cluster/ray_setup.py) and the
+groups its actor held are re-dispatched; the job completes, every trajectory trained
+once, no quota violated. Skipped, with the reason, without root or namespaces.
 """
 import json
 import os
 import re
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
+from knittrans_jax.cluster.ray_setup import HEALTH_CHECK, write_token
 from knittrans_jax.testing import netns
 
 OK, WHY = netns.available()
@@ -26,53 +29,22 @@ needs_hosts = pytest.mark.skipif(not OK, reason=f"no test hosts here: {WHY}")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 6  # configs/text_grpo_test.gin, 3 train batches of 2 mini-batches
 ROWS = 16  # trajectories a step trains (g = 4 groups x n = 4)
-TIMEOUT_S = 6.0  # JobConfig.remote_timeout_s (heartbeat every 2 s)
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+PORT = 6380
 
 
-def launch(workdir, flags, bindings=()):
-  # One group per sampler call: a worker holds queued groups it has not started.
-  bindings = ["JobConfig.train_batches = 3", "JobConfig.groups_per_call = 1", *bindings]
-  cmd = [sys.executable, "scripts/launch_hosts.py", "--workdir", str(workdir),
-         "--json", str(workdir) + ".json", "--timeout_s", "400", "--store", "s3", *flags, "--",
-         "--gin_file", "configs/text_grpo_test.gin"]
-  for b in bindings:
-    cmd += ["--gin_bindings", b]
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-  with open(str(workdir) + ".json") as f:
-    return json.load(f)
+def placed(work):
+  """role -> the node addresses it ran on, in order (logs/actors.log)."""
+  nodes = {}
+  for line in (work / "logs" / "actors.log").read_text().splitlines():
+    role, _, address = line.split()
+    nodes.setdefault(role, []).append(address)
+  return nodes
 
 
 def records(path):
   with open(path) as f:
     return [json.loads(line) for line in f if line.strip()]
-
-
-def controller_log(workdir):
-  with open(workdir / "logs" / "host_trainer0.log", errors="replace") as f:
-    return f.read()
-
-
-def joined(log):
-  """worker id -> the rollout host it joined from."""
-  return {int(w): host for w, host in re.findall(r"remote rollout worker (\d+) joined from (\w+)", log)}
-
-
-def store_listing(workdir):
-  return json.loads((workdir / "logs" / "store_listing.json").read_text())
-
-
-def trained_once(workdir):
-  """Every step recorded, each trajectory in it once, and only committed ones."""
-  recs = records(workdir / "metrics.jsonl")
-  ids = [i for r in recs for i in r["ids"]]
-  assert [r["step"] for r in recs] == list(range(1, STEPS + 1))
-  assert len(ids) == len(set(ids)) == STEPS * ROWS, "a trajectory trained twice, or missing"
-  # The store is on the store host's S3 server, reachable only from the hosts: the
-  # script lists it from trainer0 after the run.
-  committed = set(store_listing(workdir)["committed"])
-  assert set(ids) <= committed, "trained something that was never committed"
-  return recs, ids
 
 
 def test_available_says_why_not(monkeypatch):
@@ -83,17 +55,6 @@ def test_available_says_why_not(monkeypatch):
   monkeypatch.setattr(netns.shutil, "which", lambda name: None)
   ok, why = netns.available()
   assert not ok and "no `ip` binary" in why
-
-
-@pytest.fixture(scope="module")
-def hosts_run(tmp_path_factory):
-  work = tmp_path_factory.mktemp("hosts") / "run"
-  # A window of G = 8 groups: once rollout1's are stuck, at most one more step can
-  # train before the release, so the release comes before the step-4 checkpoint and
-  # the kill (with 2G, rollout0 could run ahead alone).
-  report = launch(work, ["--link_down_at", "1", "--remote_timeout_s", str(TIMEOUT_S),
-                         "--kill_trainers_at", "4"], ["JobConfig.window = 8"])
-  return work, report
 
 
 @needs_hosts
@@ -135,63 +96,132 @@ def test_hosts_reach_each_other_and_nothing_else(tmp_path):
   assert not set(names) & set(netns.namespaces())
 
 
+class Cluster:
+  """A Ray cluster on TestHosts: `ray start` on every host, each with its own temp dir."""
+
+  def __init__(self, hosts, token, tmp):
+    self.hosts, self.tmp = hosts, tmp
+    self.env = {**{k: v for k, v in os.environ.items() if not k.startswith("RAY_")},
+                "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": token, "JAX_PLATFORMS": "cpu"}
+    self.head = f"{hosts.address('head')}:{PORT}"
+
+  def start(self, host, resources, head=False):
+    cmd = [RAY, "start", "--node-ip-address", self.hosts.address(host), "--num-cpus", "4",
+           "--resources", json.dumps(resources), "--temp-dir", f"/tmp/kr{os.getpid()}{host}",
+           "--disable-usage-stats"]
+    cmd += (["--head", "--port", str(PORT), "--include-dashboard", "false",
+             "--system-config", json.dumps(HEALTH_CHECK)] if head else ["--address", self.head])
+    return self.hosts.run(host, cmd, env=self.env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+
+
+def dial(hosts, host, address, env):
+  code = ("from ray._raylet import GcsClient\n"
+          f"print('answered', GcsClient(address={address!r}).internal_kv_get(b'k', None))")
+  return hosts.run(host, [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                   stderr=subprocess.STDOUT, text=True).communicate(timeout=60)[0]
+
+
+@pytest.fixture(scope="module")
+def ray_hosts_run(tmp_path_factory):
+  if not OK:
+    pytest.skip(f"no test hosts here: {WHY}")
+  tmp = tmp_path_factory.mktemp("rayhosts")
+  work = tmp / "run"
+  token = write_token(str(tmp / "token"))
+  with netns.TestHosts(["head", "trainer1", "rollout1"]) as hosts:
+    cluster = Cluster(hosts, token, tmp)
+    out = cluster.start("head", {"trainer_host": 1, "rollout_host": 1}, head=True).communicate(
+        timeout=120)[0]
+    assert "Ray runtime started" in out, out[-3000:]
+    joins = [cluster.start("trainer1", {"trainer_host": 1}),
+             cluster.start("rollout1", {"rollout_host": 1})]
+    outs = [j.communicate(timeout=120)[0] for j in joins]
+    assert all("Ray runtime started" in o for o in outs), outs
+    # From another host, without the token: refused; with it: answered.
+    plain = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_")}
+    plain["HOME"] = str(tmp)
+    refused = dial(hosts, "rollout1", cluster.head, plain)
+    allowed = dial(hosts, "rollout1", cluster.head, cluster.env)
+    bindings = ["JobConfig.cluster = 'ray'", f"RayConfig.address = '{cluster.head}'",
+                f"RayConfig.token_path = '{token}'", "RayConfig.trainers = 2",
+                "RayConfig.devices_per_trainer = 2",
+                "RayConfig.trainer_resources = {'CPU': 1, 'trainer_host': 1}",
+                "RayConfig.rollout_resources = {'CPU': 1, 'rollout_host': 1}",
+                "RayConfig.rollout_strategy = 'STRICT_SPREAD'",
+                # One group per call and a window of one train batch: rollout1's groups
+                # hold its train batch back until they are re-dispatched.
+                "JobConfig.groups_per_call = 1", "JobConfig.window = 8"]
+    cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_test.gin",
+           "--workdir", str(work)]
+    for b in bindings:
+      cmd += ["--gin_bindings", b]
+    driver = hosts.run("head", cmd, env={**cluster.env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines, seen = [], {}
+
+    def read():
+      for line in driver.stdout:
+        lines.append(line)
+        if re.search(r"rollout actor \d died", line):
+          seen.setdefault("died", (time.monotonic(), line))
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    cut = None
+    deadline = time.monotonic() + 300
+    while driver.poll() is None and time.monotonic() < deadline:
+      if cut is None and (work / "metrics.jsonl").exists() and records(work / "metrics.jsonl"):
+        hosts.link_down("rollout1")
+        cut = time.monotonic()
+      time.sleep(0.05)
+    if driver.poll() is None:
+      driver.kill()
+    driver.wait(timeout=30)
+    reader.join(timeout=10)
+    output = "".join(lines)
+    (tmp / "driver.log").write_text(output)
+    assert driver.returncode == 0, output[-5000:]
+    yield dict(work=work, output=output, refused=refused, allowed=allowed, cut=cut,
+               detected=seen.get("died"), addresses={h: hosts.address(h) for h in
+                                                     ("head", "trainer1", "rollout1")})
+
+
 @needs_hosts
-def test_job_across_hosts_trains_every_trajectory_once(hosts_run):
-  """(a) Trainers on trainer0/trainer1 (jax.distributed over their addresses),
-  workers on rollout0/rollout1, the store on the store host: the job completes and
-  trains every trajectory once, through both faults below."""
-  work, report = hosts_run
-  assert report["steps"] == STEPS
-  assert len(set(report["hosts"].values())) == 5
-  assert report["store_url"].startswith("s3://") and not (work / "store").exists()
-  assert report["s3_endpoint"].startswith(f"http://{report['hosts']['store']}:")
+def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
+  r = ray_hosts_run
+  work = r["work"]
   summary = json.loads((work / "summary.json").read_text())
-  assert summary["steps"] == STEPS and summary["quota_violations"] == 0
-  recs, ids = trained_once(work)
-  # Each trainer host read its own half of what it trained since the restart.
-  since = [i for r in recs if r["step"] > report["kill"]["checkpoint_step"] for i in r["ids"]]
-  reads = [json.loads((work / "logs" / f"trainer{p}.json").read_text())["read_ids"]
-           for p in range(2)]
-  assert sorted(reads[0] + reads[1]) == sorted(since) and not set(reads[0]) & set(reads[1])
-  # Every trajectory came from a worker that joined from a rollout host over TCP.
-  workers = joined(controller_log(work))
-  assert sorted(set(workers.values())) == ["rollout0", "rollout1"]
-  assert {i.split("/")[0] for i in ids} <= {f"worker{w}" for w in workers}
-  # Each worker's unit names the host it was written from.
-  assert store_listing(work)["unit_hosts"] == {f"worker{w}": h for w, h in workers.items()}
-
-
-@needs_hosts
-def test_unplugged_rollout_host_is_released_and_its_groups_redispatched(hosts_run):
-  """(b) rollout1's link goes down after step 1: after JobConfig.remote_timeout_s of
-  silence the controller releases its worker and fails the groups it had not
-  committed; their replacements train (rollout0 generates them), before the kill."""
-  work, report = hosts_run
-  down = report["link_down"]
-  assert down["host"] == "rollout1" and down["after_step"] < STEPS
-  assert 0 < down["release_s"] and down["at_s"] + down["release_s"] < report["kill"]["at_s"]
-  log = controller_log(work)
-  cut = [w for w, host in joined(log).items() if host == "rollout1"][0]  # its first worker
-  released = re.findall(r"remote rollout worker (\d+) silent for ([\d.]+) s", log)
-  assert (str(cut), f"{TIMEOUT_S:g}") in released
-  summary = json.loads((work / "summary.json").read_text())
-  assert summary["groups"]["failed"] >= 1  # what it held and had not committed
-  assert summary["groups"]["trained"] == STEPS * 4  # replaced: every step still full
-
-
-@needs_hosts
-def test_job_resumes_after_its_trainer_hosts_are_killed(hosts_run):
-  """(c) Every process on trainer0 and trainer1 SIGKILLed once the step-4 checkpoint
-  is written, then both started again with --resume (and fresh workers): nothing
-  trained twice (a), and every step the checkpoint held stands as it was."""
-  work, report = hosts_run
-  kill = report["kill"]
-  assert kill["hosts"] == ["trainer0", "trainer1"]
-  assert kill["checkpoint_step"] >= 4 and kill["after_step"] < STEPS  # really mid-job
+  assert summary["cluster"] == "ray" and summary["steps"] == STEPS
+  assert summary["quota_violations"] == 0
   recs = records(work / "metrics.jsonl")
-  before = {r["step"]: r["ids"] for r in records(work / "logs" / "metrics_at_kill.jsonl")}
-  after = {r["step"]: r["ids"] for r in recs}
-  for step in range(1, kill["checkpoint_step"] + 1):
-    assert after[step] == before[step]
-  workers = joined(controller_log(work))  # 2 joined each start, each with a new id
-  assert len(workers) == 4 and sorted(workers.values()).count("rollout1") == 2
+  ids = [i for rec in recs for i in rec["ids"]]
+  assert [rec["step"] for rec in recs] == list(range(1, STEPS + 1))
+  assert len(ids) == len(set(ids)) == STEPS * ROWS, "a trajectory trained twice, or missing"
+  # The trainers: one per trainer host, jax.distributed over the hosts' addresses.
+  nodes = placed(work)
+  a = r["addresses"]
+  assert {nodes["trainer0"][0], nodes["trainer1"][0]} == {a["head"], a["trainer1"]}
+  assert f"coordinator {nodes['trainer0'][0]}:" in r["output"]
+  trainers = [json.loads((work / "logs" / f"trainer{p}.json").read_text()) for p in (0, 1)]
+  assert [t["processes"] for t in trainers] == [2, 2]
+
+
+@needs_hosts
+def test_a_client_without_the_token_is_refused(ray_hosts_run):
+  assert "InvalidAuthToken" in ray_hosts_run["refused"], ray_hosts_run["refused"][-2000:]
+  assert "answered" in ray_hosts_run["allowed"], ray_hosts_run["allowed"][-2000:]
+
+
+@needs_hosts
+def test_a_cut_link_is_detected_within_10_s_and_its_groups_redispatched(ray_hosts_run):
+  r = ray_hosts_run
+  assert r["cut"] is not None and r["detected"] is not None, r["output"][-4000:]
+  t, line = r["detected"]
+  assert 0 < t - r["cut"] < 10.0, t - r["cut"]
+  # The actor that died is the one that ran on rollout1. (Its STRICT_SPREAD bundle has
+  # no other node to go to, so the run finishes on the head's actor alone.)
+  cut = next(role for role, nodes in placed(r["work"]).items()
+             if nodes[0] == r["addresses"]["rollout1"])
+  assert f"rollout actor {cut[len('rollout'):]} died" in line and "re-dispatching" in line
+  summary = json.loads((r["work"] / "summary.json").read_text())
+  assert summary["worker_restarts"] == 1 and summary["groups"].get("failed", 0) > 0

@@ -110,6 +110,18 @@ def check_token_file(path: str) -> None:
                           f"read the cluster's token; chmod 600 {path}")
 
 
+def record_start(workdir: str, role: str) -> None:
+  """`WORKDIR/logs/{role}.pid` (this process, the tests' handle for killing it) and a
+  line in `logs/actors.log` (role, pid, node address): where each actor ran."""
+  import ray
+  logs = os.path.join(workdir, "logs")
+  os.makedirs(logs, exist_ok=True)
+  with open(os.path.join(logs, f"{role}.pid"), "w") as f:
+    f.write(str(os.getpid()))
+  with open(os.path.join(logs, "actors.log"), "a") as f:
+    f.write(f"{role} {os.getpid()} {ray.util.get_node_ip_address()}\n")
+
+
 def actor_env(cfg: RayConfig) -> dict:
   """Environment every actor gets: the driver's JAX platform, object-store settings and
   token, then RayConfig.env."""

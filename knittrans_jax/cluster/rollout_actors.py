@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Callable
 
-from knittrans_jax.cluster.ray_setup import RayConfig, actor_env
+from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 from knittrans_jax.job.controller import Failed, Finished
 from knittrans_jax.rollout.worker import worker_main
 
@@ -40,10 +40,7 @@ class RolloutActor:
     self.id, self.loop = worker_id, None
     self.requests, self.stop = queue.Queue(), threading.Event()
     self.pending: dict[int, asyncio.Future] = {}
-    logs = os.path.join(workdir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, f"rollout{worker_id}.pid"), "w") as f:
-      f.write(str(os.getpid()))  # the tests' handle for killing this process
+    record_start(workdir, f"rollout{worker_id}")
     a = args
     self.thread = threading.Thread(target=self._run, daemon=True, args=(
         worker_id, workdir, store_url, a["seed"], a["n"], a["model_config"], a["sampler_config"],

@@ -21,7 +21,7 @@ import os
 import socket
 from typing import Callable
 
-from knittrans_jax.cluster.ray_setup import RayConfig, actor_env
+from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 
 
 class TrainerLost(RuntimeError):
@@ -40,10 +40,7 @@ class TrainerActor:
   def __init__(self, rank: int, world: int, workdir: str):
     self.rank, self.world, self.workdir = rank, world, workdir
     self.job, self.results = None, []
-    logs = os.path.join(workdir, "logs")
-    os.makedirs(logs, exist_ok=True)
-    with open(os.path.join(logs, f"trainer{rank}.pid"), "w") as f:
-      f.write(str(os.getpid()))  # the tests' handle for killing this process
+    record_start(workdir, f"trainer{rank}")
 
   def address(self) -> tuple[str, int]:
     """This node's address and a free port on it: the coordinator's, for rank 0."""
