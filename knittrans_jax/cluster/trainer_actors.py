@@ -22,6 +22,7 @@ import socket
 from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
+from knittrans_jax.rollout.weights import WeightPublisher
 
 
 class TrainerLost(RuntimeError):
@@ -76,16 +77,12 @@ class TrainerActor:
     self.results.append(self.trainer.step(self.trainer.pending(key)))
 
   def fetch(self):
-    return self.results.pop(0).fetch()
+    """The step's metrics, and whether a checkpoint is due at its version (one round
+    trip for both)."""
+    return (*self.results.pop(0).fetch(), self.trainer.save_due())
 
   def write_weights(self) -> None:
     self.trainer.write_weights()
-
-  def commit_weights(self) -> None:
-    self.trainer.commit_weights()
-
-  def save_due(self) -> bool:
-    return self.trainer.save_due()
 
   def save(self, progress: dict, force: bool) -> None:
     self.trainer.save(progress, force)
@@ -105,7 +102,8 @@ class _StepResult:
 
   def fetch(self):
     g = self.group
-    return g._get([a.fetch.remote() for a in g.actors], "a step")[0]
+    sums, grad_norm, g.due = g._get([a.fetch.remote() for a in g.actors], "a step")[0]
+    return sums, grad_norm
 
 
 class RayTrainerGroup:
@@ -119,6 +117,8 @@ class RayTrainerGroup:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     self.ray, self.cfg, self.log = ray, cfg, log
     self.stats = dict(exposed_wait_s=0.0, raw_transfer_s=0.0)
+    self.due = False  # a checkpoint is due at the last fetched step's version
+    self.publisher = WeightPublisher(workdir)  # the driver commits what the actors wrote
     self.pending = []  # refs not yet checked (prefetch, step): their errors surface later
     T = cfg.trainers
     bundle = dict(cfg.trainer_resources)
@@ -187,11 +187,13 @@ class RayTrainerGroup:
     return _StepResult(self)
 
   def publish(self) -> None:
+    """Every actor writes its shards; then this process (the work dir is shared) makes
+    the version the latest."""
     self._get([a.write_weights.remote() for a in self.actors], "publishing weights")
-    self._get([self.actors[0].commit_weights.remote()], "publishing weights")
+    self.publisher.commit(self.version, parts=len(self.actors))
 
   def save_due(self) -> bool:
-    return self._get([self.actors[0].save_due.remote()], "a checkpoint")[0]
+    return self.due
 
   def save(self, progress: dict, force: bool = False) -> None:
     self._get([a.save.remote(progress if r == 0 else {}, force)
