@@ -31,6 +31,11 @@ from knittrans_jax.job.controller import Failed, Finished
 from knittrans_jax.rollout.worker import worker_main
 
 
+def _node_address() -> str:
+  import ray
+  return ray.util.get_node_ip_address()  # the unit's host: hostnames may all be alike
+
+
 class RolloutActor:
   """One rollout worker (see module doc); `worker_id` names its storage unit."""
 
@@ -47,7 +52,7 @@ class RolloutActor:
         self.requests, self, self.stop), kwargs=dict(
             suite=a["suite"], vit_config=a["vit_config"], math=a.get("math"),
             max_groups_per_call=a.get("groups_per_call", 4), engine=a.get("engine", "jax"),
-            engine_options=a.get("engine_options")))
+            engine_options=a.get("engine_options"), host=_node_address()))
     self.thread.start()
 
   def _run(self, *args, **kwargs) -> None:

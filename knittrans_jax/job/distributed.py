@@ -50,7 +50,10 @@ def initialize(setup: ProcessSetup, auto: bool = False) -> None:
     raise ValueError(f"num_processes = {setup.num_processes} needs a coordinator_address "
                      "(host:port of process 0)")
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(setup.coordinator_address, setup.num_processes, setup.process_id)
+  # The coordination service (process 0's; gRPC without credentials) listens on the
+  # coordinator's own address, not JAX's default of every interface.
+  jax.distributed.initialize(setup.coordinator_address, setup.num_processes, setup.process_id,
+                             coordinator_bind_address=setup.coordinator_address)
   if setup.host_address:
     _gloo_listens_on(setup.host_address)
 
