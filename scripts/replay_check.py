@@ -2,9 +2,9 @@
 
   python scripts/replay_check.py runs/dist2            # consumers: the run's process count
 
-For a multi-process run (scripts/launch_local.py), this is the single-process
-reference on the same trajectories: the run's store, its logged mini-batches in
-order, the same plan. Prints per-step loss and gradient norm side by side and the
+For a run with several trainer actors (JobConfig.cluster = 'ray', RayConfig.trainers),
+this is the single-process reference on the same trajectories: the run's store, its
+logged mini-batches in order, the same plan. Prints per-step loss and gradient norm side by side and the
 largest parameter difference against the run's last checkpoint. Exits non-zero if
 they differ beyond --rtol / --atol. Needs as many devices as the run's mesh
 (XLA_FLAGS=--xla_force_host_platform_device_count=8 on the CPU).

@@ -27,7 +27,8 @@ import time
 from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
-from knittrans_jax.job.controller import Failed, Finished
+from knittrans_jax.job.controller import Finished
+from knittrans_jax.job.workers import release
 from knittrans_jax.rollout.worker import worker_main
 
 
@@ -213,7 +214,7 @@ class RayWorkerPool:
     self.started[w] = time.monotonic()
     if self.deaths[w] <= self.cfg.worker_restarts:
       self.recovering[w] = self.actors[w].pid.remote()
-    return self._release(w)
+    return release(self.store, self.held, w, self.n, f"rollout actor {w} was lost")
 
   def _check_recovering(self) -> None:
     """A restarted actor takes groups again once it answers; calls made while Ray
@@ -236,22 +237,6 @@ class RayWorkerPool:
         self.deaths[w] = self.cfg.worker_restarts + 1
       del self.recovering[w]
       self.started[w] = time.monotonic()
-
-  def _release(self, w: int) -> list:
-    held = {gid: s for gid, (ww, s) in self.held.items() if ww == w}
-    committed = collections.defaultdict(list)
-    if held and f"worker{w}" in self.store.units():
-      for m in self.store.list_committed(f"worker{w}"):
-        if m.group_id in held:
-          committed[m.group_id].append(m)
-    events = []
-    for gid in held:
-      del self.held[gid]
-      if len(committed[gid]) == self.n:
-        events.append(Finished(tuple(committed[gid])))
-      else:
-        events.append(Failed(gid, f"rollout actor {w} was lost"))
-    return events
 
   def pids(self) -> dict[int, int]:
     return {w: self.ray.get(a.pid.remote(), timeout=60) for w, a in self.actors.items()}

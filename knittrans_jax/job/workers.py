@@ -23,6 +23,23 @@ from knittrans_jax.rollout.worker import worker_main
 from knittrans_jax.storage import TrajectoryStore
 
 
+def release(store: TrajectoryStore, held: dict, w: int, n: int, why: str) -> list:
+  """A lost worker's groups, taken out of `held` (group id -> (worker, source)): those
+  with all n trajectories committed in its unit count as finished, the rest failed."""
+  mine = [gid for gid, (ww, _) in held.items() if ww == w]
+  committed = collections.defaultdict(list)
+  if mine and f"worker{w}" in store.units():
+    for m in store.list_committed(f"worker{w}"):
+      if m.group_id in held and held[m.group_id][0] == w:
+        committed[m.group_id].append(m)
+  events = []
+  for gid in mine:
+    del held[gid]
+    events.append(Finished(tuple(committed[gid])) if len(committed[gid]) == n
+                  else Failed(gid, why))
+  return events
+
+
 class WorkerPool:
   timed_generation = True  # Finished.seconds: the group's time in its engine (job/controller.py)
 
@@ -90,21 +107,7 @@ class WorkerPool:
     return []
 
   def _release(self, w: int) -> list:
-    """A lost worker's groups: committed ones finished, the rest failed."""
-    held = {gid: s for gid, (ww, s) in self.held.items() if ww == w}
-    committed = collections.defaultdict(list)
-    if held and f"worker{w}" in self.store.units():
-      for m in self.store.list_committed(f"worker{w}"):
-        if m.group_id in held:
-          committed[m.group_id].append(m)
-    events = []
-    for gid in held:
-      del self.held[gid]
-      if len(committed[gid]) == self.args["n"]:
-        events.append(Finished(tuple(committed[gid])))
-      else:
-        events.append(Failed(gid, f"worker {w} was lost"))
-    return events
+    return release(self.store, self.held, w, self.args["n"], f"worker {w} was lost")
 
   def describe(self) -> str:
     load = collections.Counter(w for w, _ in self.held.values())
