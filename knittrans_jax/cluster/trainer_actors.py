@@ -76,10 +76,14 @@ class TrainerActor:
   def step(self, key) -> None:
     self.results.append(self.trainer.step(self.trainer.pending(key)))
 
-  def fetch(self):
-    """The step's metrics, and whether a checkpoint is due at its version (one round
-    trip for both)."""
-    return (*self.results.pop(0).fetch(), self.trainer.save_due())
+  def fetch(self, write_weights: bool):
+    """The step's metrics and whether a checkpoint is due at its version; with
+    `write_weights`, this trainer's shards of that version are written first (the
+    driver publishes every step: one round trip for all three)."""
+    sums, grad_norm = self.results.pop(0).fetch()
+    if write_weights:
+      self.trainer.write_weights()
+    return sums, grad_norm, self.trainer.save_due()
 
   def write_weights(self) -> None:
     self.trainer.write_weights()
@@ -102,7 +106,8 @@ class _StepResult:
 
   def fetch(self):
     g = self.group
-    sums, grad_norm, g.due = g._get([a.fetch.remote() for a in g.actors], "a step")[0]
+    sums, grad_norm, g.due = g._get([a.fetch.remote(True) for a in g.actors], "a step")[0]
+    g.written = g.version  # every actor wrote its shards of this version
     return sums, grad_norm
 
 
@@ -118,6 +123,7 @@ class RayTrainerGroup:
     self.ray, self.cfg, self.log = ray, cfg, log
     self.stats = dict(exposed_wait_s=0.0, raw_transfer_s=0.0)
     self.due = False  # a checkpoint is due at the last fetched step's version
+    self.written = None  # the version whose shards every actor has written
     self.publisher = WeightPublisher(workdir)  # the driver commits what the actors wrote
     self.pending = []  # refs not yet checked (prefetch, step): their errors surface later
     T = cfg.trainers
@@ -187,9 +193,11 @@ class RayTrainerGroup:
     return _StepResult(self)
 
   def publish(self) -> None:
-    """Every actor writes its shards; then this process (the work dir is shared) makes
-    the version the latest."""
-    self._get([a.write_weights.remote() for a in self.actors], "publishing weights")
+    """Every actor writes its shards (with the step's fetch, or now); then this
+    process (the work dir is shared) makes the version the latest."""
+    if self.written != self.version:
+      self._get([a.write_weights.remote() for a in self.actors], "publishing weights")
+      self.written = self.version
     self.publisher.commit(self.version, parts=len(self.actors))
 
   def save_due(self) -> bool:
