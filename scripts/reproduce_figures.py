@@ -56,7 +56,7 @@ def style(name: str) -> tuple[str, str]:
 
 def sweep(config: SimConfig, refine_steps: int = 5):
   G = config.spec.groups_per_batch
-  points = [(p, w, "disaggregated") for p in COMBOS for w in window_grid(config)
+  points = [(p, w, "disaggregated") for p in COMBOS for w in window_grid(config, up_to=3)
             if split(p)[0] != "train_batch" or w >= G]
   points.append(("train_batch", None, "colocated"))
   summaries = [s for s, _ in run_points(config, points)]
@@ -80,7 +80,7 @@ def frontier_figure(summaries, head, colocated, path):
   ax.axvline(head["baseline_throughput_traj_per_s"], ls=":", color="tab:red", lw=1)
   ax.set_xlabel("throughput (trajectories / s)")
   ax.set_ylabel("architectural staleness, mean of max(a, 0)")
-  ax.set_title("Staleness-throughput frontier (W swept); *: matched point, -: its decode floor",
+  ax.set_title("Staleness-throughput frontier (W swept); *: matched point, -: its per-run counterfactual",
                fontsize=9)
   ax.legend(fontsize=7)
   fig.tight_layout()
@@ -140,8 +140,8 @@ def sensitivity(config, train_batches, bar):
       rows.append({"value": value,
                    "reduction_constraint_preserving": pol["constraint_preserving"]["reduction"],
                    "reduction_quota_aware": pol["constraint_preserving+quota_aware"]["reduction"],
-                   "fraction_of_floor_quota_aware":
-                       pol["constraint_preserving+quota_aware"]["fraction_of_floor"],
+                   "fraction_of_counterfactual_quota_aware":
+                       pol["constraint_preserving+quota_aware"]["fraction_of_counterfactual"],
                    "reduction_fifo": pol["fifo"]["reduction"],
                    "fifo_quota_violations": pol["fifo"]["quota_violations"]})
       bar.update()
@@ -186,7 +186,7 @@ def staleness(out: str, sensitivity_batches: int) -> dict:
           "matched": {n: {k: p[k] for k in ("window", "throughput_traj_per_s", "arch_staleness_mean",
                                             "arch_staleness_signed_mean", "arch_staleness_p99",
                                             "quota_violations", "arch_floor_mean", "reduction",
-                                            "fraction_of_floor", "admission", "dispatch")}
+                                            "fraction_of_counterfactual", "admission", "dispatch")}
                       for n, p in head["policies"].items()},
           "colocated_throughput": colocated["throughput_traj_per_s"], "cdf": cdf,
           "sensitivity": sens}
@@ -474,20 +474,22 @@ def staleness_section(s) -> list[str]:
            f"Baseline: train_batch at W = 2G = {h['baseline_window']} gives "
            f"{h['baseline_throughput_traj_per_s']:.2f} trajectories/s. Each policy at the smallest "
            "window reaching that throughput:", "",
-           "| admission + dispatch | W | traj/s | mean max(a,0) | decode floor | reduction | "
-           "fraction of floor | p99 | quota violations |",
+           "| admission + dispatch | W | traj/s | mean max(a,0) | per-run counterfactual | "
+           "reduction | fraction of counterfactual | p99 | quota violations |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, p in s["matched"].items():
     red = "" if name == "train_batch" or p.get("reduction") is None else f"{p['reduction']:.3f}"
-    frac = ("" if name == "train_batch" or p.get("fraction_of_floor") is None
-            else f"{p['fraction_of_floor']:.2f}")
+    frac = ("" if name == "train_batch" or p.get("fraction_of_counterfactual") is None
+            else f"{p['fraction_of_counterfactual']:.2f}")
     lines.append(f"| {name} | {p['window']} | {p['throughput_traj_per_s']:.2f} | "
                  f"{p['arch_staleness_mean']:.2f} | {p.get('arch_floor_mean', float('nan')):.2f} | "
                  f"{red} | {frac} | {p['arch_staleness_p99']:.0f} | {p['quota_violations']} |")
   lines += ["", f"Reduction vs train_batch at matched throughput, best quota-keeping "
             f"combination ({h.get('best')}): **{h['reduction_vs_train_batch']:.3f}**, "
-            f"{h.get('fraction_of_floor') or float('nan'):.2f} of its decode floor "
-            f"{h.get('decode_floor_reduction') or float('nan'):.3f}; constraint_preserving at the "
+            f"{h.get('fraction_of_counterfactual') or float('nan'):.2f} of its per-run "
+            f"counterfactual {h.get('counterfactual_reduction') or float('nan'):.3f} (the same "
+            "run's groups trained the moment they finished: not a lower bound, other policies "
+            "go below it); constraint_preserving at the "
             f"same window W = 2G: {h['reduction_same_window']:.3f}. Colocated: "
             f"{s['colocated_throughput']:.2f} traj/s.",
             "", "![cdf](staleness_cdf.png)", "",
@@ -497,11 +499,11 @@ def staleness_section(s) -> list[str]:
   lines += ["", "![sensitivity](staleness_sensitivity.png)", ""]
   for axis, rows in s["sensitivity"].items():
     lines += [f"Reduction vs {axis}:", "", "| value | constraint_preserving | "
-              "constraint_preserving+quota_aware (of floor) | fifo | fifo quota violations |",
+              "constraint_preserving+quota_aware (of counterfactual) | fifo | fifo quota violations |",
               "| --- | --- | --- | --- | --- |"]
     for r in rows:
       qa = r.get("reduction_quota_aware")
-      qa = "" if qa is None else f"{qa:.3f} ({r['fraction_of_floor_quota_aware']:.2f})"
+      qa = "" if qa is None else f"{qa:.3f} ({r['fraction_of_counterfactual_quota_aware']:.2f})"
       lines.append(f"| {r['value']} | {r['reduction_constraint_preserving']:.3f} | {qa} | "
                    f"{r['reduction_fifo']:.3f} | {r['fifo_quota_violations']} |")
     lines.append("")

@@ -64,7 +64,8 @@ def test_bench_admission_writes_its_json(tmp_path):
 def test_simulate_script_writes_summary(tmp_path):
   out = tmp_path / "sim"
   proc = subprocess.run([sys.executable, "scripts/simulate.py", "--gin_file", "configs/sim/tiny.gin",
-                         "--out", str(out)], capture_output=True, text=True, timeout=300)
+                         "--out", str(out), "--seeds", "0,1"], capture_output=True, text=True,
+                        timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   s = json.loads((out / "summary.json").read_text())
   for name in ("train_batch", "fifo", "constraint_preserving"):
@@ -78,6 +79,18 @@ def test_simulate_script_writes_summary(tmp_path):
   assert s["policies"]["constraint_preserving"]["throughput_traj_per_s"] >= s["baseline_throughput_traj_per_s"]
   assert -1 < s["reduction_vs_train_batch"] <= 1 and s["wall_s"] > 0
   assert (out / "frontier.json").exists() and (out / "operative_config.gin").exists()
+  # The baseline at three windows; the 2G one is the headline; over both seeds.
+  by = s["reduction_by_baseline_window"]
+  assert [by[k]["window"] for k in ("1G", "2G", "4G")] == [32, 64, 128]
+  assert by["2G"]["reduction"] == s["reduction_vs_train_batch"]
+  assert all(-1 < by[k]["reduction"] <= 1 for k in by)
+  seeds = s["reduction_by_baseline_window_over_seeds"]
+  assert s["seeds"] == [0, 1] and set(seeds) == set(by)
+  for k, r in seeds.items():
+    assert set(r["by_seed"]) == {"0", "1"} and r["by_seed"]["0"] == by[k]["reduction"]
+    assert r["min"] <= r["mean"] <= r["max"] and r["min"] < r["max"]  # seed 1 is another run
+  # The per-run counterfactual is named for what it is.
+  assert "counterfactual_reduction" in s and "decode_floor_reduction" not in s
 
 
 def figures_module():
