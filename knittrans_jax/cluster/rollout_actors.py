@@ -238,9 +238,6 @@ class RayWorkerPool:
       del self.recovering[w]
       self.started[w] = time.monotonic()
 
-  def pids(self) -> dict[int, int]:
-    return {w: self.ray.get(a.pid.remote(), timeout=60) for w, a in self.actors.items()}
-
   def describe(self) -> str:
     load = collections.Counter(w for w, _ in self.held.values())
     return ", ".join(f"rollout actor {w}: {load[w]} groups" for w in sorted(self.actors))
