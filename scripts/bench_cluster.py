@@ -135,7 +135,8 @@ def main():
   parser.add_argument("--deadline_s", type=float, default=5.0)
   args = parser.parse_args()
   tmp = tempfile.mkdtemp(prefix="bench_cluster_")
-  bindings = [f"JobConfig.train_batches = {args.train_batches}"]
+  # No held-out evaluation: it runs in a local trainer process only, and is not the system.
+  bindings = [f"JobConfig.train_batches = {args.train_batches}", "EvalConfig.every_steps = 0"]
   runs = {"local": [], "ray": []}
   try:
     for k in range(args.repeats):

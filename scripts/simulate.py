@@ -23,7 +23,8 @@ from tqdm import tqdm
 from knittrans_jax import gin_cli
 from knittrans_jax.sim import SimConfig
 from knittrans_jax.sim.sweep import (BASELINE_WINDOWS, COMBOS, headline, reduction_by_window,
-                                     refine, run_points, split, window_grid)
+                                     refine, run_points, runs_below_bound, split,
+                                     window_grid)
 
 
 def _points(config, policies, windows, workers, match_tolerance, refine_steps, desc):
@@ -48,11 +49,16 @@ def over_seeds(by_seed: dict) -> dict:
   window, from {seed: reduction_by_window(...)}."""
   out = {}
   for key in sorted({k for r in by_seed.values() for k in r}):
-    vals = {seed: r[key]["reduction"] for seed, r in by_seed.items()
-            if key in r and r[key]["reduction"] is not None}
-    if vals:
-      v = list(vals.values())
-      out[key] = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "by_seed": vals}
+    entry = {}
+    for field in ("reduction", "bound_reduction"):
+      vals = {seed: r[key][field] for seed, r in by_seed.items()
+              if key in r and r[key][field] is not None}
+      if vals:
+        v = list(vals.values())
+        stats = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "by_seed": vals}
+        entry.update(stats) if field == "reduction" else entry.update({field: stats})
+    if entry:
+      out[key] = entry
   return out
 
 
@@ -67,19 +73,21 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
                       f"seed {config.seed}")
   by_window = reduction_by_window(summaries, config, match_tolerance)
   by_seed = {config.seed: by_window}
+  below = {config.seed: runs_below_bound(summaries, config)}
   for seed in seeds:
     if seed != config.seed:
       other = config.replace(seed=seed)
-      by_seed[seed] = reduction_by_window(
-          _points(other, policies, windows, workers, match_tolerance, refine_steps,
-                  f"seed {seed}"), other, match_tolerance)
+      points = _points(other, policies, windows, workers, match_tolerance, refine_steps,
+                       f"seed {seed}")
+      by_seed[seed] = reduction_by_window(points, other, match_tolerance)
+      below[seed] = runs_below_bound(points, other)
   stalled = [(s["policy"], s["window"]) for s in summaries if s["stalled"]]
   if stalled:
     print(f"stalled (window too small for the constraints): {stalled}")
   head = headline(summaries, config, match_tolerance)
   colocated = next(s for s in summaries if s["mode"] == "colocated")
   keys = ("admission", "dispatch", "reduction", "fraction_of_counterfactual",
-          "counterfactual_reduction",
+          "counterfactual_reduction", "fraction_of_bound",
           "arch_floor_mean", "window", "arch_staleness_mean", "arch_staleness_signed_mean", "arch_staleness_p99",
           "arch_staleness_max", "quota_violations", "throughput_traj_per_s", "matched",
           "trainer_idle_frac", "rollout_idle_frac", "staleness_mean", "rollout_versions_mean",
@@ -91,6 +99,11 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
       "counterfactual_reduction": head["counterfactual_reduction"],
       "fraction_of_counterfactual": head["fraction_of_counterfactual"],
       "reduction_same_window": head["reduction_same_window"],
+      # Policy-independent: the least staleness any policy at the baseline's
+      # throughput can have (metrics.staleness_bound) and the reduction it allows.
+      "bound": head["bound"], "bound_reduction": head["bound_reduction"],
+      "fraction_of_bound": head["fraction_of_bound"],
+      "runs_below_bound": {str(k): v for k, v in below.items()},
       "reduction_by_baseline_window": by_window,
       "reduction_by_baseline_window_over_seeds": over_seeds(by_seed) if len(by_seed) > 1 else None,
       "seeds": sorted(by_seed),
@@ -127,9 +140,14 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
         f"{red:.3f} = {summary['fraction_of_counterfactual']:.2f} of its per-run counterfactual "
         f"{summary['counterfactual_reduction']:.3f} (cf.: not a lower bound); "
         f"constraint_preserving at the same W = 2G: {same:.3f}")
+  print(f"policy-independent bound at the baseline's throughput: a >= {summary['bound']:.2f}, "
+        f"so no policy reduces staleness by more than {summary['bound_reduction']:.3f}; "
+        f"{summary['best']} reaches {summary['fraction_of_bound']:.2f} of that; sweep points "
+        f"below the bound: {sum(len(v) for v in below.values())}")
   for key, r in by_window.items():
     line = (f"  train_batch at W = {key} = {r['window']}: reduction {r['reduction']:.3f} "
-            f"({r['best']}), same window {r['reduction_same_window']:.3f}"
+            f"({r['best']}), same window {r['reduction_same_window']:.3f}, "
+            f"bound {r['bound_reduction']:.3f}"
             if r["reduction"] is not None else f"  train_batch at W = {key}: no match")
     seeds_r = (summary["reduction_by_baseline_window_over_seeds"] or {}).get(key)
     if seeds_r:

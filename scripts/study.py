@@ -11,15 +11,28 @@ trainer and its rollout workers on this machine's two cores, so two at once woul
 time-share them and change the throughput being measured (`study.parallel`).
 
 Every run is scored by the held-out evaluation of its current policy
-(job/evaluation.py; the base config must set EvalConfig.every_steps): final reward
-= mean `study.metric` evaluation reward over the last 10% of the steps; steps and
-training seconds to `study.threshold`. With `study.baseline` and `study.reference`
-named, each other configuration also gets the share of the reference-vs-baseline
-gap it closes (study/stats.gap_closed), with its interval.
+(job/evaluation.py; the base config must set EvalConfig.every_steps) on prompts
+training never draws (data/split.py; each run's `eval_train_overlap` says 0): final
+reward = mean `study.metric` evaluation reward over the last 10% of the steps; steps
+and training seconds to `study.threshold`.
 
-Writes OUT/results.json (every run's fields and curve; per configuration the mean
-and 95% bootstrap interval over seeds), OUT/results.md, OUT/learning_curves.png
-and, with `study.dose_configurations`, OUT/dose_response.png.
+Statistics (study/stats.py), written into the JSON as `interval_method`:
+- per configuration, the mean over seeds with a Student-t 95% interval;
+- with `study.baseline` and `study.reference`, the share of their gap each other
+  configuration closes, paired by seed (same initial weights and prompt stream) with
+  a BCa bootstrap interval over seeds;
+- `study.comparisons` {name: other}: the paired difference in final reward, e.g.
+  constraint-preserving against train-batch at the same window (what the window
+  alone buys is then visible);
+- `study.dose_configurations`: final reward against mean staleness, per
+  configuration (mean and t interval) and a saturating fit over every run.
+Settings are chosen on `study.selection_seeds`, which must not be among the
+reported `study.seeds` (a setting chosen on the seeds it is reported on is biased
+towards them).
+
+Writes OUT/results.json (every run's fields and curve, the summary above),
+OUT/results.md, OUT/learning_curves.png and, with `study.dose_configurations`,
+OUT/dose_response.png.
 """
 from __future__ import annotations
 
@@ -32,6 +45,7 @@ import sys
 import time
 
 import gin
+import numpy as np
 from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,10 +53,13 @@ sys.path.insert(0, ROOT)
 from knittrans_jax import gin_cli  # noqa: E402
 from knittrans_jax.study import plots  # noqa: E402
 from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching, read_metrics  # noqa: E402
-from knittrans_jax.study.stats import bootstrap_ci, gap_closed, linear_fit  # noqa: E402
+from knittrans_jax.study.stats import (paired_difference, paired_gap_closed,  # noqa: E402
+                                       saturating_fit, t_interval)
 
 FIELDS = ("reward_last", "arch_staleness_mean", "quota_violations", "wall_s", "eval_s", "steps",
-          "trajectories")
+          "trajectories", "eval_train_overlap")
+INTERVAL_METHOD = ("mean over seeds: Student-t 95%; gap closed: paired by seed, BCa bootstrap "
+                   "95% (10,000 resamples); comparisons: paired difference by seed, Student-t 95%")
 PER_CONFIG = ("final_reward", "steps_to_threshold", "train_s_to_threshold", "arch_staleness_mean",
               "traj_per_s", "reward_last")
 
@@ -84,8 +101,19 @@ def run_one(out: str, base_gin: str, name: str, bindings: list[str], seed: int,
   return row
 
 
+def _by_seed(rows: list[dict], name: str, key: str = "final_reward") -> dict[int, float]:
+  return {r["seed"]: r[key] for r in rows if r["configuration"] == name and r[key] is not None}
+
+
+def _paired(rows, *names) -> list[list[float]]:
+  """Final rewards of `names` over the seeds all of them ran, in seed order."""
+  series = [_by_seed(rows, n) for n in names]
+  seeds = sorted(set.intersection(*(set(s) for s in series)))
+  return [[s[k] for k in seeds] for s in series]
+
+
 def aggregate(rows: list[dict], names: list[str], baseline: str | None,
-              reference: str | None) -> dict:
+              reference: str | None, comparisons: dict | None = None) -> dict:
   out = {}
   for name in names:
     mine = [r for r in rows if r["configuration"] == name]
@@ -94,29 +122,45 @@ def aggregate(rows: list[dict], names: list[str], baseline: str | None,
       values = [r[key] for r in mine if r[key] is not None]
       if values:
         entry[f"{key}_mean"] = sum(values) / len(values)
-        entry[f"{key}_ci95"] = list(bootstrap_ci(values))
+        entry[f"{key}_ci95"] = list(t_interval(values))
     entry["reached_threshold"] = sum(r["steps_to_threshold"] is not None for r in mine)
     entry["quota_violations"] = sum(r["quota_violations"] or 0 for r in mine)
     out[name] = entry
   if baseline and reference:
-    final = {n: [r["final_reward"] for r in rows if r["configuration"] == n] for n in names}
     for name in names:
       if name not in (baseline, reference):
-        share, ci = gap_closed(final[name], final[baseline], final[reference])
-        out[name]["gap_closed"], out[name]["gap_closed_ci95"] = share, list(ci)
+        p, b, r = _paired(rows, name, baseline, reference)
+        if len(p) >= 2:
+          share, ci = paired_gap_closed(p, b, r)
+          out[name]["gap_closed"], out[name]["gap_closed_ci95"] = share, list(ci)
+  for name, other in (comparisons or {}).items():
+    a, b = _paired(rows, name, other)
+    if len(a) >= 2:
+      diff, ci = paired_difference(a, b)
+      out[name].setdefault("vs", {})[other] = {"difference": diff, "ci95": list(ci),
+                                               "seeds": len(a)}
   return out
 
 
 def dose_response(rows: list[dict], names) -> dict | None:
-  """Final reward against mean architectural staleness, every run a point."""
+  """Final reward against mean architectural staleness: per configuration (means and
+  t intervals) and a saturating fit over every run (study/stats.saturating_fit); a
+  line through a curve that levels off would misstate both ends."""
   pts = [(r["arch_staleness_mean"], r["final_reward"]) for r in rows if r["configuration"] in names]
   if len(pts) < 3 or len({x for x, _ in pts}) < 2:
     print(f"dose-response: {len(pts)} runs over {len({x for x, _ in pts})} distinct staleness "
-          "values; no line to fit")
+          "values; nothing to fit")
     return None
-  slope, intercept, ci = linear_fit([x for x, _ in pts], [y for _, y in pts])
-  return {"configurations": list(names), "points": pts, "slope": slope, "intercept": intercept,
-          "slope_ci95": list(ci)}
+  per = []
+  for name in names:
+    mine = [r for r in rows if r["configuration"] == name]
+    if mine:
+      ys = [r["final_reward"] for r in mine]
+      per.append({"configuration": name, "runs": len(mine),
+                  "staleness_mean": float(np.mean([r["arch_staleness_mean"] for r in mine])),
+                  "final_reward_mean": float(np.mean(ys)), "final_reward_ci95": list(t_interval(ys))})
+  return {"configurations": list(names), "points": pts, "per_configuration": per,
+          "fit": saturating_fit([x for x, _ in pts], [y for _, y in pts])}
 
 
 @gin.configurable
@@ -124,19 +168,28 @@ def study(out: str, base_gin: str = "configs/text_grpo_tiny.gin",
           configurations: dict = gin.REQUIRED, seeds=(0, 1, 2, 3, 4), common_bindings=(),
           parallel: int = 1, metric: str = "sampled", threshold: float | None = None,
           baseline: str | None = None, reference: str | None = None,
-          dose_configurations=(), train_batches: int | None = None) -> dict:
+          dose_configurations=(), train_batches: int | None = None, comparisons=None,
+          selection_seeds=()) -> dict:
   """configurations: {name: [gin bindings]}; every one runs with every seed.
   baseline / reference: the configurations whose gap the others close (e.g.
   'train_batch W=2G' and 'synchronous'). dose_configurations: the runs of the
   dose-response fit (one policy across windows). train_batches: overrides the base
-  config's JobConfig.train_batches in every run (shorter studies)."""
+  config's JobConfig.train_batches in every run (shorter studies). comparisons:
+  {name: other configuration}, the paired differences to report. selection_seeds:
+  the seeds the settings were chosen on (recorded; none may be reported)."""
   if not configurations:
     raise ValueError("study.configurations is empty: give {name: [gin bindings]}")
   if parallel < 1:
     raise ValueError(f"study.parallel = {parallel} must be >= 1")
   names = list(configurations)
+  reused = sorted(set(seeds) & set(selection_seeds))
+  if reused:
+    raise ValueError(f"study.seeds and study.selection_seeds share {reused}: the settings were "
+                     "chosen on those seeds, so reporting them is biased; report new seeds")
+  comparisons = dict(comparisons or {})
   for what, name in (("baseline", baseline), ("reference", reference),
-                     *(("dose_configurations", n) for n in dose_configurations)):
+                     *(("dose_configurations", n) for n in dose_configurations),
+                     *(("comparisons", n) for pair in comparisons.items() for n in pair)):
     if name is not None and name not in configurations:
       raise ValueError(f"study.{what} = {name!r} is not one of study.configurations {names}")
   common = list(common_bindings)
@@ -158,7 +211,12 @@ def study(out: str, base_gin: str = "configs/text_grpo_tiny.gin",
   result = {"base_gin": base_gin, "seeds": list(seeds), "common_bindings": common,
             "configurations": {n: list(configurations[n]) for n in names}, "metric": metric,
             "threshold": threshold, "baseline": baseline, "reference": reference,
-            "runs": rows, "summary": aggregate(rows, names, baseline, reference),
+            "interval_method": INTERVAL_METHOD, "selection_seeds": list(selection_seeds),
+            "reported_seeds": sorted(set(seeds)),
+            "eval_train_overlap": max((r["eval_train_overlap"] for r in rows
+                                       if r["eval_train_overlap"] is not None), default=None),
+            "comparisons": comparisons,
+            "runs": rows, "summary": aggregate(rows, names, baseline, reference, comparisons),
             "dose_response": dose_response(rows, dose_configurations),
             "wall_s": time.perf_counter() - t0}
   os.makedirs(out, exist_ok=True)
@@ -197,12 +255,27 @@ def table(result: dict) -> str:
                  f"{_ci(s, 'train_s_to_threshold', '.0f')} | {gap} | "
                  f"{s.get('arch_staleness_mean_mean', float('nan')):.2f} | "
                  f"{s.get('traj_per_s_mean', float('nan')):.1f} | {s['quota_violations']} |")
+  pairs = [(name, other, v) for name, s in result["summary"].items()
+           for other, v in s.get("vs", {}).items()]
+  if pairs:
+    lines += ["", "| configuration | against | final reward difference (paired, 95% CI) | seeds |",
+              "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {other} | {v['difference']:+.3f} [{v['ci95'][0]:+.3f}, "
+              f"{v['ci95'][1]:+.3f}] | {v['seeds']} |" for name, other, v in pairs]
   d = result.get("dose_response")
   if d:
-    lo, hi = d["slope_ci95"]
     lines.append(f"\nDose-response over {', '.join(d['configurations'])} ({len(d['points'])} runs): "
-                 f"final reward = {d['intercept']:.3f} + {d['slope']:.4f} x mean staleness "
-                 f"(slope 95% CI [{lo:.4f}, {hi:.4f}]).")
+                 + ", ".join(f"{p['configuration']} a = {p['staleness_mean']:.2f}: "
+                             f"{p['final_reward_mean']:.3f} [{p['final_reward_ci95'][0]:.3f}, "
+                             f"{p['final_reward_ci95'][1]:.3f}]" for p in d["per_configuration"]))
+    f = d.get("fit")
+    if f:
+      lines.append(f"Saturating fit: reward = {f['floor']:.3f} + ({f['top']:.3f} - {f['floor']:.3f})"
+                   f" exp(-a / {f['scale']:.2f}) (rmse {f['rmse']:.3f}).")
+  lines.append(f"\nIntervals: {result.get('interval_method', 'n/a')}. Reported seeds "
+               f"{result.get('reported_seeds')}; settings chosen on seeds "
+               f"{result.get('selection_seeds') or 'n/a'}; evaluation prompts seen in training: "
+               f"{result.get('eval_train_overlap')}.")
   return "\n".join(lines) + "\n"
 
 

@@ -37,6 +37,12 @@ def main():
   gin_cli.parse(args)
   summary = run(args.workdir, resume=args.resume)
   print()
+  start, last = summary.get("eval_start"), summary.get("eval_last")
+  if last:  # the headline: the policy on held-out prompts, not its stale samples' reward
+    def fmt(e):
+      return "n/a" if e is None else f"sampled {e['sampled']:.3f}, greedy {e['greedy']:.3f}"
+    print(f"held-out evaluation (prompts training never sees; overlap "
+          f"{summary.get('eval_train_overlap')}): start {fmt(start)} -> end {fmt(last)}")
   for key, value in summary.items():
     print(f"  {key:<28} {value:.4g}" if isinstance(value, float) else f"  {key:<28} {value}")
 

@@ -91,6 +91,13 @@ def test_simulate_script_writes_summary(tmp_path):
     assert r["min"] <= r["mean"] <= r["max"] and r["min"] < r["max"]  # seed 1 is another run
   # The per-run counterfactual is named for what it is.
   assert "counterfactual_reduction" in s and "decode_floor_reduction" not in s
+  # The policy-independent bound: no policy reduces more than it allows, on either seed.
+  assert 0 < s["bound"] < s["policies"]["train_batch"]["arch_staleness_mean"]
+  assert s["runs_below_bound"] == {"0": [], "1": []}
+  for k, r in by.items():
+    assert r["reduction"] <= r["bound_reduction"] <= 1
+    assert r["bound_reduction"] == seeds[k]["bound_reduction"]["by_seed"]["0"]
+  assert 0 < s["fraction_of_bound"] <= 1
 
 
 def figures_module():

@@ -92,6 +92,9 @@ def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
   assert all(set(e) == {"greedy", "sampled"} and all(0 <= v <= 1 for v in e.values())
              for e in evals.values())
   assert summary["eval_last"] == evals[6]
+  # The initial policy too, and no evaluation prompt was a training prompt.
+  assert set(summary["eval_start"]) == {"greedy", "sampled"}
+  assert summary["eval_train_overlap"] == 0
 
 
 @pytest.mark.parametrize("mode,policy,data_path", [

@@ -4,7 +4,9 @@ import pytest
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.sim import SimConfig, simulate, summarize
+from knittrans_jax.sim.metrics import staleness_bound
 from knittrans_jax.sim.pipeline import SimulationStalled
+from knittrans_jax.sim.sweep import runs_below_bound
 
 SOURCES = {"math": {"median": 300, "sigma": 0.5, "max_tokens": 4096},
            "code": {"median": 900, "sigma": 1.0, "max_tokens": 8192},
@@ -102,3 +104,37 @@ def test_weight_sync_options():
                          "constraint_preserving", 64)
   assert interrupted.trajectories == step.trajectories
   assert interrupted.slot_busy_s > step.slot_busy_s
+
+
+def test_staleness_bound_hand_computed():
+  # Every response the same length: d = prefill + 500 x 0.02 = 10.05 s, L = 1 s.
+  fixed = {s: {"median": 500, "sigma": 0.0, "max_tokens": 4096, "prefill_s": 0.05}
+           for s in ("math", "code", "chat")}
+  cfg = config(sources=fixed)
+  rho = 3.0 / (4 * 8)  # 3 traj/s over n g = 4 x 8 trajectories per step
+  x = rho * (10.05 + 1.0)
+  want = np.mean([max(x - j, 0) for j in range(4)])
+  assert staleness_bound(cfg, 3.0) == pytest.approx(want, rel=1e-9)
+  # Slower than a step per decode: only the j = 0 quarter keeps a positive part.
+  assert staleness_bound(cfg, 0.1) == pytest.approx(0.1 / 32 * 11.05 / 4, rel=1e-9)
+  with pytest.raises(ValueError, match="publish"):
+    staleness_bound(config(publish="train_batch"), 3.0)
+
+
+def test_staleness_bound_holds_and_grows_with_throughput():
+  cfg = config(train_batches=8)
+  bounds = [staleness_bound(cfg, x) for x in (0.5, 1.0, 2.0, 4.0)]
+  assert bounds == sorted(bounds) and bounds[-1] > bounds[0] > 0
+  points = []
+  for seed in (0, 1):
+    c = cfg.replace(seed=seed)
+    for policy in ("train_batch", "fifo", "constraint_preserving"):
+      for window in (8, 16, 24, 32, 48, 64, 128):
+        if policy == "train_batch" and window < 32:
+          continue
+        for dispatch in ("shuffled", "quota_aware"):
+          s = summarize(simulate(c, policy, window, dispatch=dispatch), c.spec)
+          s["stalled"] = False
+          points.append(s)
+          assert s["arch_staleness_mean"] >= staleness_bound(c, s["throughput_traj_per_s"])
+  assert runs_below_bound(points, cfg) == []

@@ -8,33 +8,45 @@ import numpy as np
 import pytest
 
 from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching
-from knittrans_jax.study.stats import bootstrap_ci, gap_closed, linear_fit
+from knittrans_jax.study.stats import (paired_difference, paired_gap_closed, saturating_fit,
+                                       t_interval)
 
 
-def test_bootstrap_interval_covers_the_mean_and_is_seeded():
+def test_t_interval_covers_the_mean_and_widens_with_few_seeds():
   x = [0.30, 0.35, 0.28, 0.41, 0.33]
-  lo, hi = bootstrap_ci(x)
-  assert lo < np.mean(x) < hi and (lo, hi) == bootstrap_ci(x)
-  assert bootstrap_ci([0.5]) == (0.5, 0.5)
+  lo, hi = t_interval(x)
+  assert lo < np.mean(x) < hi
+  # Student-t 95% with 4 degrees of freedom: 2.776 standard errors each side.
+  half = 2.7764451 * np.std(x, ddof=1) / np.sqrt(5)
+  assert (lo, hi) == pytest.approx((np.mean(x) - half, np.mean(x) + half))
+  assert t_interval([0.5]) == (0.5, 0.5)
   with pytest.raises(ValueError, match="finite values"):
-    bootstrap_ci([0.1, float("nan")])
+    t_interval([0.1, float("nan")])
 
 
-def test_gap_closed():
-  share, (lo, hi) = gap_closed([0.5, 0.5], baseline=[0.2, 0.2], reference=[0.8, 0.8])
-  assert share == pytest.approx(0.5) and lo == pytest.approx(0.5) and hi == pytest.approx(0.5)
-  share, (lo, hi) = gap_closed([0.4, 0.6, 0.5], [0.1, 0.3, 0.2], [0.7, 0.9, 0.8])
-  assert lo < share < hi
+def test_paired_statistics_use_the_pairing():
+  rng = np.random.default_rng(0)
+  base = rng.normal(0.2, 0.05, 10)  # seeds differ a lot; the effect within a seed is steady
+  ref = base + 0.2 + rng.normal(0, 0.005, 10)
+  pol = base + 0.1 + rng.normal(0, 0.005, 10)
+  diff, (lo, hi) = paired_difference(pol, base)
+  assert diff == pytest.approx(0.1, abs=0.01) and 0.09 < lo < diff < hi < 0.11
+  share, (lo, hi) = paired_gap_closed(pol, base, ref)
+  assert share == pytest.approx(0.5, abs=0.05) and 0.4 < lo < share < hi < 0.6
+  # Unpaired, the same numbers give a far wider interval of the difference.
+  assert hi - lo < 0.5 * (t_interval(pol)[1] - t_interval(pol)[0])
+  assert paired_gap_closed(pol, base, ref) == (share, (lo, hi))  # seeded
+  with pytest.raises(ValueError, match="same >= 2 seeds"):
+    paired_gap_closed(pol[:3], base, ref)
 
 
-def test_linear_fit_recovers_a_slope_with_an_interval():
-  x = [0, 0, 1, 1, 2, 2, 4, 4]
-  y = [0.5 - 0.05 * v + e for v, e in zip(x, [0.01, -0.01, 0.02, -0.02, 0.0, 0.01, -0.01, 0.0])]
-  slope, intercept, (lo, hi) = linear_fit(x, y)
-  assert slope == pytest.approx(-0.05, abs=0.01) and intercept == pytest.approx(0.5, abs=0.02)
-  assert lo < slope < hi < 0
-  with pytest.raises(ValueError, match="no slope"):
-    linear_fit([1, 1, 1], [0.1, 0.2, 0.3])
+def test_saturating_fit_recovers_a_curve_a_line_misstates():
+  x = np.repeat([0.0, 1.0, 2.0, 4.0, 8.0], 3)
+  y = 0.2 + 0.2 * np.exp(-x / 1.5) + np.tile([0.005, -0.005, 0.0], 5)
+  f = saturating_fit(x, y)
+  assert f["top"] == pytest.approx(0.4, abs=0.01) and f["floor"] == pytest.approx(0.2, abs=0.01)
+  assert f["scale"] == pytest.approx(1.5, rel=0.1) and f["rmse"] < 0.01
+  assert saturating_fit([0, 0, 1, 1], [0.3, 0.3, 0.2, 0.2]) is None  # two x: not identified
 
 
 def test_curve_summaries():
@@ -67,7 +79,9 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
       "study.configurations = {'colocated': [\"JobConfig.mode = 'colocated'\"],\n"
       "                        'tb': [\"JobConfig.policy = 'train_batch'\"],\n"
       "                        'cp W=G': ['JobConfig.window = 8']}\n"
-      "study.dose_configurations = ['tb', 'cp W=G']\n")
+      "study.dose_configurations = ['tb', 'cp W=G']\n"
+      "study.comparisons = {'cp W=G': 'tb'}\n"
+      "study.selection_seeds = (5, 6)\n")
   cmd = [sys.executable, "scripts/study.py", "--gin_file", str(gin), "--out", str(out)]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                         env={**os.environ, "XLA_FLAGS": ""})
@@ -85,6 +99,15 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
   assert "gap_closed" in s and "gap_closed" not in res["summary"]["tb"]
   assert res["summary"]["colocated"]["arch_staleness_mean_mean"] == 0
   assert len(res["dose_response"]["points"]) == 4
+  per = res["dose_response"]["per_configuration"]
+  assert [p["configuration"] for p in per] == ["tb", "cp W=G"] and all(p["runs"] == 2 for p in per)
+  assert res["dose_response"]["fit"] is None  # two staleness levels identify no curve
+  # The method is written down; the evaluation prompts were never training prompts.
+  assert "Student-t" in res["interval_method"] and "BCa" in res["interval_method"]
+  assert res["selection_seeds"] == [5, 6] and res["reported_seeds"] == [0, 1]
+  assert res["eval_train_overlap"] == 0 and all(r["eval_train_overlap"] == 0 for r in res["runs"])
+  vs = s["vs"]["tb"]
+  assert vs["seeds"] == 2 and vs["ci95"][0] <= vs["difference"] <= vs["ci95"][1]
   assert "| cp W=G | 2 |" in (out / "results.md").read_text()
   for png in ("learning_curves.png", "dose_response.png"):
     assert (out / png).stat().st_size > 0
@@ -98,3 +121,7 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
   bad = subprocess.run(cmd + ["--gin_bindings", "study.baseline = 'tb W=2G'"],
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "study.baseline = 'tb W=2G' is not one of" in bad.stderr
+  # Settings chosen on a reported seed are refused.
+  bad = subprocess.run(cmd + ["--gin_bindings", "study.selection_seeds = (1, 5)"],
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "share [1]" in bad.stderr

@@ -20,6 +20,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from knittrans_jax.data import split
+
 FIELDS = ("id", "source", "prompt", "answer")
 
 
@@ -75,6 +77,7 @@ class PromptSet:
   def __init__(self, prompts: Iterable[Prompt], seed: int = 0,
                sources: Sequence[str] | None = None):
     self.seed = seed
+    self._sides: dict[tuple[str, bool], list[Prompt]] = {}
     self.by_source: dict[str, list[Prompt]] = {}
     for p in prompts:
       self.by_source.setdefault(p.source, []).append(p)
@@ -92,10 +95,25 @@ class PromptSet:
   def sources(self) -> tuple[str, ...]:
     return tuple(sorted(self.by_source))
 
+  def _side(self, source: str, held_out: bool) -> list[Prompt]:
+    """The prompts of `source` on one side of the held-out split (data/split.py)."""
+    key = (source, held_out)
+    if key not in self._sides:
+      pool = [p for p in self.by_source[source] if split.held_out(source, p.prompt) == held_out]
+      if not pool:
+        raise PromptDataError(
+            f"source {source!r}: none of its {len(self.by_source[source])} prompts is on the "
+            f"{'held-out' if held_out else 'training'} side of the split (one in "
+            f"{split.FRACTION} is held out, by content); give the source more prompts")
+      self._sides[key] = pool
+    return self._sides[key]
+
   def prompt_for(self, group_id: int, source: str) -> Prompt:
+    """A training group's prompt from the training side of the split; an evaluation
+    group's (id from split.HELD_OUT_GROUP_IDS) from the held-out side."""
     if source not in self.by_source:
       raise PromptDataError(f"unknown source {source!r}; the prompt set has {list(self.sources)}")
-    pool = self.by_source[source]
+    pool = self._side(source, split.for_evaluation(group_id))
     # Drawn with replacement, seeded by (seed, group id, source): reproducible for
     # a given assignment of group ids, whatever order groups are dispatched in.
     rng = np.random.default_rng([self.seed, group_id, _stable(source)])

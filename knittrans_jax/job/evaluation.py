@@ -3,9 +3,10 @@
 Every `EvalConfig.every_steps` optimizer steps (and after the last one) the trainer
 process generates one response per held-out prompt with the current weights, greedy
 and sampled, and scores them with the suite's reward. The prompts are the same for
-every configuration of a study: tasks drawn with `seed + seed_offset` (the synthetic
-and vision suites), or the math suite's prompt for held-out group ids (from 2^31,
-which training never reaches; the math prompt file itself has no held-out split).
+every configuration of a study: tasks drawn with `seed + seed_offset` for group ids
+from 2^31, which training never reaches, and only from the held-out side of the
+split of each source's prompts (data/split.py), which training never draws from:
+no evaluation prompt occurs in training (`train_overlap` counts, to show it).
 """
 from __future__ import annotations
 
@@ -15,16 +16,20 @@ import gin
 import jax
 import numpy as np
 
-from knittrans_jax.rollout.groups import rollout_groups
+from knittrans_jax.data import split
+from knittrans_jax.rollout.groups import rollout_groups, task_for
 
-HELD_OUT = 1 << 31  # group ids are folded into uint32 sampling keys
+HELD_OUT = split.HELD_OUT_GROUP_IDS
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """every_steps: 0 turns evaluation off. prompts_per_source: held-out prompts per source."""
+  """every_steps: 0 turns evaluation off (else every that many steps and after the
+  last). at_start: also evaluate the initial policy, before the first step.
+  prompts_per_source: held-out prompts per source."""
   every_steps: int = 0
+  at_start: bool = True
   prompts_per_source: int = 16
   seed_offset: int = 1_000_003
 
@@ -40,12 +45,28 @@ class Evaluator:
                image_size: int = 0, math=None):
     self.config, self.graphdef, self.suite = config, graphdef, suite
     self.image_size, self.math = image_size, math
+    self.sources, self.train_seed = tuple(sources), seed
     self.seed = seed + config.seed_offset
     # Held-out group ids start at 2^31, far above any id training dispatches.
     self.requests = [(HELD_OUT + k * len(sources) + i, s) for i, s in enumerate(sources)
                      for k in range(config.prompts_per_source)]
     self.samplers = {"greedy": dataclasses.replace(sampler, greedy=True),
                      "sampled": dataclasses.replace(sampler, greedy=False)}
+
+  def _prompt_key(self, seed: int, group_id: int, source: str) -> bytes:
+    task = task_for(seed, group_id, source, self.suite, self.image_size, self.math)
+    image = getattr(task, "image", None)
+    return b"|".join([source.encode(), np.asarray(task.prompt).tobytes(),
+                      b"" if image is None else np.asarray(image).tobytes()])
+
+  def train_overlap(self, train_group_ids) -> int:
+    """How many evaluation prompts occur among the prompts of training group ids
+    `train_group_ids` (each id's prompt under every source: a superset of what was
+    trained). 0 by construction; computed so that a run shows it."""
+    evaluated = {self._prompt_key(self.seed, gid, s) for gid, s in self.requests}
+    trained = {self._prompt_key(self.train_seed, gid, s) for gid in train_group_ids
+               for s in self.sources}
+    return len(evaluated & trained)
 
   def due(self, step: int, last: int) -> bool:
     every = self.config.every_steps

@@ -59,7 +59,21 @@ class MetricsLog:
     self.t0 = time.perf_counter()
     self.trajectories = sum(r["trajectories"] for r in self.records)
     self.eval_s = 0.0  # wall time spent in held-out evaluation (this process)
+    self.start_path = os.path.join(workdir, "eval_start.json")
+    self.eval_start = None
+    if resume and os.path.exists(self.start_path):
+      with open(self.start_path) as f:
+        self.eval_start = json.load(f)
     self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def start_eval(self, evaluation: dict, eval_s: float) -> None:
+    """The held-out evaluation of the initial policy (step 0), in eval_start.json."""
+    self.eval_s += eval_s
+    self.eval_start = evaluation
+    with open(self.start_path, "w") as f:
+      json.dump(evaluation, f)
+    for name, r in evaluation.items():
+      self.tb.add_scalar(f"eval/{name}", r, 0)
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
            admitted_tokens: int | None = None, evaluation: dict | None = None,
@@ -122,6 +136,8 @@ class MetricsLog:
     lag0 = [r for r in self.records if r.get("logprob_abs_diff_max") is not None]
     n0 = sum(r["lag0_tokens"] for r in lag0)
     return {
+        # eval_start: the initial policy's; eval_first: after the first evaluated step.
+        "eval_start": self.eval_start,
         "eval_first": evals[0] if evals else None, "eval_last": evals[-1] if evals else None,
         "reward_first": float(np.mean(rewards[:tenth])) if rewards else None,
         "reward_last": float(np.mean(rewards[-tenth:])) if rewards else None,

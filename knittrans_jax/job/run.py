@@ -418,6 +418,8 @@ class Job:
                                dispatch=cfg.dispatch, dispatch_estimates_s={
                                    src: getattr(self.stream, "estimate", lambda _: None)(src)
                                    for src in self.trained_sources})
+    if self.evaluator is not None:
+      summary["eval_train_overlap"] = self.evaluator.train_overlap(range(self.progress.next_group))
     with open(os.path.join(self.workdir, "summary.json"), "w") as f:
       json.dump(summary, f, indent=1)
     gin_cli.save_operative_config(self.workdir)
@@ -433,6 +435,10 @@ class Job:
         trainers.prefetch(work)  # every trainer starts reading it now
         ahead.append((mb, work))
 
+    ev = self.evaluator
+    if ev is not None and ev.config.at_start and trainers.version == 0:
+      t_eval = time.perf_counter()  # the initial policy: where the curve starts
+      self.log.start_eval(ev(self.trainer.state.params, 0), time.perf_counter() - t_eval)
     while trainers.version < target and not self.stop_requested:
       ctl.dispatch()
       ctl.poll(timeout=0.0 if ahead else 0.05)  # block briefly only with nothing to train

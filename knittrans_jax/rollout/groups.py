@@ -12,6 +12,7 @@ import dataclasses
 
 import numpy as np
 
+from knittrans_jax.data import split
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.rollout.engine import FinishedGroup, GroupRequest, response_seeds
@@ -56,14 +57,26 @@ def _check(suite: str, math: MathSource | None = None) -> str:
 
 
 def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_size: int = 32,
-             math: MathSource | None = None):
-  """The task of a group is a pure function of (seed, group id, source)."""
+             math: MathSource | None = None, max_draws: int = 1000):
+  """The task of a group is a pure function of (seed, group id, source). A training
+  group never gets a held-out prompt and an evaluation group (id from
+  split.HELD_OUT_GROUP_IDS) only gets held-out ones: a task on the wrong side of the
+  split is drawn again from the same generator."""
   if _check(suite, math) == "math":
     return math.suite().task(group_id, source)
   rng = np.random.default_rng([seed, group_id])
-  if suite == "vision":
-    return vision_tasks.make_task(rng, source, image_size)
-  return tasks.make_task(rng, source)
+  want = split.for_evaluation(group_id)
+  for _ in range(max_draws):
+    if suite == "vision":
+      task = vision_tasks.make_task(rng, source, image_size)
+      if split.held_out(source, task.prompt, task.image) == want:
+        return task
+    else:
+      task = tasks.make_task(rng, source)
+      if split.held_out(source, task.prompt) == want:
+        return task
+  raise ValueError(f"source {source!r}: no {'held-out' if want else 'training'} prompt in "
+                   f"{max_draws} draws (its prompt space has too few prompts for the split)")
 
 
 @dataclasses.dataclass

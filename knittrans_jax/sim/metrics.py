@@ -6,7 +6,10 @@ import collections
 import numpy as np
 
 from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.admission.dispatch import quota_block
+from knittrans_jax.sim.config import SimConfig
 from knittrans_jax.sim.pipeline import SimResult
+from knittrans_jax.sim.workload import sample_lengths
 
 
 def quota_violations(result: SimResult, spec: TrainBatchSpec) -> int:
@@ -44,3 +47,42 @@ def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:
       "rollout_s_mean": float(result.rollout_s.mean()),
       "sojourn_s_mean": result.mean_sojourn_s, "in_system_mean": result.mean_in_system,
   }
+
+
+
+def decode_times(config: SimConfig, per_group: int = 400) -> np.ndarray:
+  """Decode times of responses (prefill + length x time per token) drawn from the
+  workload's length models in the quota mix: a property of the workload, the same
+  for every admission and dispatch policy. Seeded by config.seed."""
+  rng = np.random.default_rng([config.seed, 7919])
+  counts = collections.Counter(quota_block(config.spec, tuple(config.sources)))
+  return np.concatenate([
+      m.prefill_s + sample_lengths(rng, m, c * per_group) * config.time_per_token_s
+      for name, c in sorted(counts.items()) for m in [config.sources[name]]])
+
+
+def staleness_bound(config: SimConfig, throughput_traj_per_s: float) -> float:
+  """A lower bound on the mean architectural staleness, mean max(a, 0), of any
+  admission and dispatch policy that trains at `throughput_traj_per_s` or more,
+  assuming the trainer steps at an even pace. It depends on the workload and the
+  throughput only: one number per baseline, whatever the policy.
+
+  With versions published every step, a trajectory started at s and trained at
+  mini-batch j of train batch k has a = v_consume - v_gen - j: v_consume counts the
+  steps done when it trains, at or after its own last token (s + d, d its decode
+  time), and v_gen those visible at s - L (L the sync latency). Steps at an even
+  rate rho = throughput / (n g), at a random phase, put rho (d + L) steps on average
+  in (s - L, s + d], so (Jensen) E max(a, 0) >= E max(rho (d + L) - j, 0). Every
+  train batch has one mini-batch of each j = 0..M-1 of equal size; the sum is
+  smallest when the longest decodes get the largest j (sorted against sorted),
+  which is what is computed. Queueing for slots, waiting for a group's other
+  responses and for the trainer only add to a. A faster run has a larger rho, so
+  the bound at a baseline's throughput holds for every run that matches it.
+  """
+  spec = config.spec
+  if config.publish != "step":
+    raise ValueError(f"staleness_bound assumes SimConfig.publish = 'step', not {config.publish!r}")
+  rho = throughput_traj_per_s / (spec.group_size * spec.mini_batch_groups)
+  x = np.sort(rho * (decode_times(config) + config.sync_latency_s))
+  j = np.arange(x.size) * spec.num_mini_batches // x.size  # sorted, each j equally often
+  return float(np.maximum(x - j, 0).mean())

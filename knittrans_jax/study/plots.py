@@ -1,6 +1,7 @@
 """The study's figures (scripts/study.py): learning curves as the mean over seeds
-with a shaded 95% bootstrap band, against optimizer steps and against training
-seconds; final reward against mean architectural staleness with a fitted line."""
+with a shaded 95% t band, against optimizer steps and against training seconds;
+final reward against mean architectural staleness: every run, each configuration's
+mean and interval, and the saturating fit."""
 from __future__ import annotations
 
 import matplotlib
@@ -9,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from knittrans_jax.study.stats import bootstrap_ci  # noqa: E402
+from knittrans_jax.study.stats import t_interval  # noqa: E402
 
 
 def _band(curves: list[list], column: int):
@@ -19,7 +20,7 @@ def _band(curves: list[list], column: int):
   xs = np.mean([[c[i][column] for c in curves] for i in range(n)], axis=1)
   ys = [[c[i][2] for c in curves] for i in range(n)]
   mean = np.array([np.mean(y) for y in ys])
-  ci = np.array([bootstrap_ci(y) for y in ys])
+  ci = np.array([t_interval(y) for y in ys])
   return xs, mean, ci[:, 0], ci[:, 1]
 
 
@@ -41,7 +42,7 @@ def learning_curves(result: dict, path: str) -> None:
       ax.axhline(thr, color="k", ls=":", lw=1)
   axes[0].set_ylabel(f"held-out {result.get('metric', 'sampled')} reward")
   axes[0].legend(fontsize=7)
-  fig.suptitle("held-out evaluation of the current policy: mean over seeds, 95% bootstrap band")
+  fig.suptitle("held-out evaluation of the current policy: mean over seeds, 95% t band")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -54,11 +55,17 @@ def dose_response(result: dict, path: str) -> None:
     pts = [(r["arch_staleness_mean"], r["final_reward"]) for r in result["runs"]
            if r["configuration"] == name]
     ax.scatter(*zip(*pts), color=f"C{k}", s=22, label=name)
-  xs = np.array([x for x, _ in d["points"]])
-  grid = np.linspace(xs.min(), xs.max(), 20)
-  lo, hi = d["slope_ci95"]
-  ax.plot(grid, d["intercept"] + d["slope"] * grid, "k-", lw=1.2,
-          label=f"fit: slope {d['slope']:.3f} / version [{lo:.3f}, {hi:.3f}]")
+  for p in d["per_configuration"]:
+    lo, hi = p["final_reward_ci95"]
+    m = p["final_reward_mean"]
+    ax.errorbar(p["staleness_mean"], m, yerr=[[m - lo], [hi - m]], fmt="kD", ms=5, capsize=3)
+  f = d.get("fit")
+  if f:
+    xs = np.array([x for x, _ in d["points"]])
+    grid = np.linspace(xs.min(), xs.max(), 50)
+    ax.plot(grid, f["floor"] + (f["top"] - f["floor"]) * np.exp(-grid / f["scale"]), "k-",
+            lw=1.2, label=f"fit: {f['floor']:.3f} + {f['top'] - f['floor']:.3f} "
+            f"exp(-a / {f['scale']:.2f})")
   ax.set_xlabel("mean architectural staleness max(a, 0) of the run (versions)")
   ax.set_ylabel(f"final held-out {result.get('metric', 'sampled')} reward")
   ax.grid(alpha=0.3)

@@ -1,70 +1,78 @@
-"""Statistics over seeds: bootstrap confidence intervals and the share of a gap closed.
+"""Statistics over seeds: t and bootstrap intervals, paired differences, the share
+of a gap closed, and the dose-response fit.
 
-Pure numpy, seeded: the same inputs give the same interval.
+numpy and scipy, seeded: the same inputs give the same interval.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 import numpy as np
+import scipy.optimize
+import scipy.stats
 
 
-def bootstrap_ci(values: Sequence[float], level: float = 0.95, resamples: int = 10_000,
-                 seed: int = 0) -> tuple[float, float]:
-  """Percentile bootstrap interval of the mean over `values` (one per seed)."""
+def t_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+  """Student-t interval of the mean over `values` (one per seed): with 5-10 seeds a
+  percentile bootstrap is too narrow (it ignores that the spread itself is estimated)."""
   x = np.asarray(values, float)
   if x.size == 0 or not np.isfinite(x).all():
-    raise ValueError(f"bootstrap_ci needs finite values, got {list(values)}")
+    raise ValueError(f"t_interval needs finite values, got {list(values)}")
   if x.size == 1:
     return float(x[0]), float(x[0])
-  rng = np.random.default_rng(seed)
-  means = x[rng.integers(0, x.size, (resamples, x.size))].mean(axis=1)
-  lo, hi = np.percentile(means, [50 * (1 - level), 50 * (1 + level)])
-  return float(lo), float(hi)
+  half = scipy.stats.t.ppf(0.5 + level / 2, x.size - 1) * x.std(ddof=1) / np.sqrt(x.size)
+  return float(x.mean() - half), float(x.mean() + half)
 
 
-def gap_closed(policy: Sequence[float], baseline: Sequence[float], reference: Sequence[float],
-               level: float = 0.95, resamples: int = 10_000, seed: int = 0
-               ) -> tuple[float, tuple[float, float]]:
-  """Share of the reference-vs-baseline gap a policy closes, (mean(p) - mean(b)) /
-  (mean(r) - mean(b)), with a bootstrap interval resampling each group's seeds
-  independently. 1 means the policy reaches the reference (colocated), 0 the
-  baseline (train-batch admission)."""
+def paired_difference(a: Sequence[float], b: Sequence[float], level: float = 0.95
+                      ) -> tuple[float, tuple[float, float]]:
+  """mean(a - b) over seeds run in both (same initial weights, same prompt stream),
+  with its t interval: the difference one configuration makes, paired by seed."""
+  a, b = np.asarray(a, float), np.asarray(b, float)
+  if a.shape != b.shape or a.size == 0:
+    raise ValueError(f"paired_difference needs two equal-length series, got {a.size} and {b.size}")
+  d = a - b
+  return float(d.mean()), t_interval(d, level)
+
+
+def paired_gap_closed(policy: Sequence[float], baseline: Sequence[float],
+                      reference: Sequence[float], level: float = 0.95, resamples: int = 10_000,
+                      seed: int = 0) -> tuple[float, tuple[float, float]]:
+  """The share of the gap closed (as gap_closed) over seeds that all three ran, with a
+  BCa bootstrap interval resampling seeds, each seed's three runs together."""
   p, b, r = (np.asarray(v, float) for v in (policy, baseline, reference))
-  if min(p.size, b.size, r.size) == 0:
-    raise ValueError("gap_closed needs at least one value per group")
+  if not p.size == b.size == r.size or p.size < 2:
+    raise ValueError(f"paired_gap_closed needs the same >= 2 seeds in each group, got "
+                     f"{p.size}, {b.size}, {r.size}")
 
-  def share(pm, bm, rm):
-    gap = rm - bm
-    return np.where(np.abs(gap) > 1e-12, (pm - bm) / np.where(gap == 0, 1, gap), np.nan)
+  def share(pp, bb, rr, axis=-1):
+    gap = rr.mean(axis) - bb.mean(axis)
+    return (pp.mean(axis) - bb.mean(axis)) / np.where(np.abs(gap) > 1e-12, gap, np.nan)
 
-  point = float(share(p.mean(), b.mean(), r.mean()))
-  rng = np.random.default_rng(seed)
-  draw = lambda v: v[rng.integers(0, v.size, (resamples, v.size))].mean(axis=1)  # noqa: E731
-  boot = share(draw(p), draw(b), draw(r))
-  boot = boot[np.isfinite(boot)]
-  if boot.size == 0:
+  point = float(share(p, b, r))
+  if not np.isfinite(point):
     return point, (float("nan"), float("nan"))
-  lo, hi = np.percentile(boot, [50 * (1 - level), 50 * (1 + level)])
-  return point, (float(lo), float(hi))
+  res = scipy.stats.bootstrap((p, b, r), share, paired=True, vectorized=True, method="BCa",
+                              confidence_level=level, n_resamples=resamples,
+                              random_state=np.random.default_rng(seed))
+  return point, (float(res.confidence_interval.low), float(res.confidence_interval.high))
 
 
-def linear_fit(x: Sequence[float], y: Sequence[float], level: float = 0.95,
-               resamples: int = 10_000, seed: int = 0) -> tuple[float, float, tuple[float, float]]:
-  """Least-squares y = intercept + slope x, with a bootstrap interval of the slope
-  resampling (x, y) points (runs) together. Returns (slope, intercept, (lo, hi))."""
+def saturating_fit(x: Sequence[float], y: Sequence[float]) -> dict | None:
+  """y = floor + (top - floor) exp(-x / scale): a reward that falls with staleness
+  and levels off, fitted by least squares to every run. None when it does not
+  converge or is not identified (fewer than 4 distinct x)."""
   x, y = np.asarray(x, float), np.asarray(y, float)
-  if x.size != y.size or x.size < 3 or not (np.isfinite(x).all() and np.isfinite(y).all()):
-    raise ValueError(f"linear_fit needs >= 3 finite (x, y) pairs, got {x.size} and {y.size}")
-  if np.ptp(x) == 0:
-    raise ValueError(f"linear_fit: every x is {x[0]}; no slope to fit")
-  slope, intercept = np.polyfit(x, y, 1)
-  rng = np.random.default_rng(seed)
-  idx = rng.integers(0, x.size, (resamples, x.size))
-  xs, ys = x[idx], y[idx]
-  xm, ym = xs.mean(axis=1, keepdims=True), ys.mean(axis=1, keepdims=True)
-  sxx = ((xs - xm) ** 2).sum(axis=1)
-  ok = sxx > 0  # a resample of one repeated x has no slope
-  slopes = ((xs - xm) * (ys - ym)).sum(axis=1)[ok] / sxx[ok]
-  lo, hi = np.percentile(slopes, [50 * (1 - level), 50 * (1 + level)])
-  return float(slope), float(intercept), (float(lo), float(hi))
+  if x.size != y.size or len(np.unique(x)) < 4:
+    return None
+  f = lambda x, top, floor, scale: floor + (top - floor) * np.exp(-x / scale)  # noqa: E731
+  try:
+    (top, floor, scale), _ = scipy.optimize.curve_fit(
+        f, x, y, p0=(y.max(), y.min(), max(np.ptp(x) / 2, 1e-3)),
+        bounds=([-np.inf, -np.inf, 1e-3], [np.inf, np.inf, 1e3]), maxfev=20_000)
+  except (RuntimeError, ValueError):
+    return None
+  resid = y - f(x, top, floor, scale)
+  return {"model": "floor + (top - floor) * exp(-staleness / scale)", "top": float(top),
+          "floor": float(floor), "scale": float(scale),
+          "rmse": float(np.sqrt(np.mean(resid ** 2)))}
