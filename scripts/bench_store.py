@@ -39,6 +39,17 @@ and False (a copy per trajectory: the equal-bytes layout):
   image_bytes_on_disk   size of the unit's image data files
   image_copies          rows of the image table
 
+append_MBps_by_unit_size (with --growth_gb > 0): appends of --image_groups groups
+of --image_n trajectories, each with its own copy of a float32 image of
+--image_shape (StoreSchema(dedup_images=False), the equal-bytes layout), to one
+long-lived unit on --growth_dir (/dev/shm by default) until its image data reaches
+--growth_gb GB, as a rollout worker appends all run long. Each step of
+--growth_step_gb is timed, and so is the same number of bytes written as plain
+1 MiB files (open, writev, rename) into a directory beside the unit, right after
+it: the file system's own rate at that moment (plain_write_MBps), so a slowdown of
+the machine (fresh tmpfs pages are costly to fault in on some VMs) is told apart
+from one of the store (append_vs_plain per step).
+
 s3 (with --s3): the same append and reads with the store on s3://, against a local
 moto S3 server started on loopback for the run (knittrans_jax/testing/s3_server.py),
 beside the file:// figures above; s3_vs_file_* are the ratios. moto is a Python
@@ -249,6 +260,58 @@ def bench_images(root: str, dedup: bool, groups: int, n: int, shape: tuple[int, 
           "image_copies": store.reader("vlm").commit().images}
 
 
+def _plain_writes(directory: str, nbytes: int, first: int) -> float:
+  """Seconds to write `nbytes` as fresh 1 MiB files (open, writev, rename), as the
+  store writes a chunk: the file system's rate, for comparison."""
+  os.makedirs(directory, exist_ok=True)
+  buf = np.frombuffer(np.random.default_rng(first).bytes(MiB), np.uint8)
+  t0 = time.perf_counter()
+  for k in range(first, first + -(-nbytes // MiB)):
+    tmp = os.path.join(directory, f".tmp{k}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+      os.writev(fd, [buf])
+    finally:
+      os.close(fd)
+    os.rename(tmp, os.path.join(directory, str(k)))
+  return time.perf_counter() - t0
+
+
+def bench_append_growth(root: str, total_gb: float, step_gb: float, groups: int, n: int,
+                        shape: tuple[int, ...], seed: int = 0) -> list[dict]:
+  """The append rate of one unit as it grows, step by step, beside plain writes."""
+  url = "file://" + root
+  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), dedup_images=False))
+  writer = store.writer("vlm")
+  rng = np.random.default_rng(seed)
+  arrays = [rng.random(shape, dtype=np.float32) for _ in range(groups)]
+  images = [Image.of(a) for a in arrays]
+  steps, group_id, plain_files = [], 0, 0
+  total, step = int(total_gb * 1e9), int(step_gb * 1e9)
+  with tqdm(total=total, unit="B", unit_scale=True, desc="append growth") as bar:
+    while writer.commit.image_bytes < total:
+      start = writer.commit.image_bytes
+      t0 = time.perf_counter()
+      while writer.commit.image_bytes - start < step:
+        g = group_id % groups
+        group = _image_group(rng, group_id, n)
+        writer.append([dataclasses.replace(t, image_ids=(images[g].id,)) for t in group],
+                      images=[images[g]])
+        group_id += 1
+      append_s = time.perf_counter() - t0
+      written = writer.commit.image_bytes - start
+      plain_s = _plain_writes(root + "_plain", written, plain_files)
+      plain_files += -(-written // MiB)
+      mb = written / 1e6
+      steps.append({"unit_GB": writer.commit.image_bytes / 1e9, "MB": mb,
+                    "append_MBps": mb / append_s, "plain_write_MBps": mb / plain_s,
+                    "append_vs_plain": plain_s / append_s})
+      bar.update(written)
+  shutil.rmtree(root, ignore_errors=True)
+  shutil.rmtree(root + "_plain", ignore_errors=True)
+  return steps
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="where to write the results")
@@ -264,6 +327,11 @@ def main():
   parser.add_argument("--image_shape", default="448,448,3", help="float32 image shape")
   parser.add_argument("--read_trajectories", type=int, default=128)
   parser.add_argument("--image_reps", type=int, default=5)
+  parser.add_argument("--growth_gb", type=float, default=0.0,
+                      help="also grow one unit to this many GB of images (0: skip)")
+  parser.add_argument("--growth_step_gb", type=float, default=0.5)
+  parser.add_argument("--growth_dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                      help="where the growing unit goes (default /dev/shm)")
   parser.add_argument("--s3", action="store_true",
                       help="also run the append and reads on s3:// (a local moto server)")
   args = parser.parse_args()
@@ -294,6 +362,12 @@ def main():
       shutil.rmtree(root, ignore_errors=True)
     for key in ("image_bytes_on_disk", "put_s", "read_s", "read_moved_MB"):
       images[f"no_dedup_vs_dedup_{key}"] = images["no_dedup"][key] / images["dedup"][key]
+    growth = None
+    if args.growth_gb > 0:
+      root = tempfile.mkdtemp(prefix="bench_store_growth_", dir=args.growth_dir or base)
+      growth = bench_append_growth(os.path.join(root, "store"), args.growth_gb,
+                                   args.growth_step_gb, args.image_groups, args.image_n, shape)
+      shutil.rmtree(root, ignore_errors=True)
   finally:
     if args.dir is None:
       shutil.rmtree(base, ignore_errors=True)
@@ -306,6 +380,9 @@ def main():
     for key in ("write_MBps", "read_MBps", "microbatch_read_MBps"):
       out[f"s3_vs_file_{key}"] = results["s3"][key] / out[key]
   out["images"] = images
+  if growth is not None:
+    out["append_MBps_by_unit_size"] = growth
+    out["append_growth_dir"] = args.growth_dir or base
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
@@ -328,6 +405,13 @@ def main():
         + "".join(f"{r['write_amplification'] or float('nan'):>12.2f}" for _, r in cols))
   print(f"  {'append / np.save (whole)':<28}"
         + "".join(f"{r['append_vs_npsave_whole']:>12.2f}" for _, r in cols))
+  if growth is not None:
+    print(f"\none unit growing to {args.growth_gb:g} GB of images on {out['append_growth_dir']} "
+          f"(no dedup), per {args.growth_step_gb:g} GB step:")
+    print(f"  {'unit GB':>8}{'append MB/s':>13}{'plain MB/s':>12}{'append/plain':>14}")
+    for r in growth:
+      print(f"  {r['unit_GB']:>8.2f}{r['append_MBps']:>13.0f}{r['plain_write_MBps']:>12.0f}"
+            f"{r['append_vs_plain']:>14.2f}")
   print(f"  {'read / memcpy':<28}" + "".join(f"{r['read_vs_memcpy']:>12.2f}" for _, r in cols))
   print(f"  {'read / memcpy (prealloc)':<28}"
         + "".join(f"{r['read_vs_memcpy_prealloc']:>12.2f}" for _, r in cols))

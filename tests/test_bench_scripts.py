@@ -12,10 +12,18 @@ def test_bench_store_writes_its_json(tmp_path):
   proc = subprocess.run([sys.executable, "scripts/bench_store.py", "--json", str(out), "--mib", "2",
                          "--reps", "1", "--micro_reps", "5", "--payload_checksum",
                          "--image_groups", "4", "--image_n", "4", "--image_shape", "256,256,3",
-                         "--read_trajectories", "8", "--image_reps", "1"],
+                         "--read_trajectories", "8", "--image_reps", "1",
+                         "--growth_gb", "0.02", "--growth_step_gb", "0.01",
+                         "--growth_dir", str(tmp_path)],
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   result = json.loads(out.read_text())
+  # The unit grows in steps of at least 10 MB to 20 MB, each timed beside plain writes.
+  growth = result["append_MBps_by_unit_size"]
+  assert len(growth) == 2 and growth[0]["unit_GB"] < growth[1]["unit_GB"]
+  assert growth[1]["unit_GB"] >= 0.02 and all(g["MB"] >= 10 for g in growth)
+  assert all(g["append_MBps"] > 0 and g["plain_write_MBps"] > 0 for g in growth)
+  assert not any(p.name.startswith("bench_store_growth_") for p in tmp_path.iterdir())
   for key in ("write_MBps", "read_MBps", "microbatch_read_MBps", "memcpy_MBps", "read_vs_memcpy",
               "npsave_MBps", "append_vs_npsave", "append_vs_npsave_whole"):
     assert result[key] > 0, key
