@@ -1,7 +1,7 @@
 """Reproduces the paper's figures: PNGs plus the numbers behind them.
 
   python scripts/reproduce_figures.py --out figures/            # every figure
-  python scripts/reproduce_figures.py --quick --out /tmp/figs     # smaller, < 10 min
+  python scripts/reproduce_figures.py --quick --out /tmp/figs     # every figure, reduced size
   python scripts/reproduce_figures.py --only runs transfer        # some groups
 
 staleness (simulator, configs/sim/paper_text.gin):
@@ -42,7 +42,9 @@ from tqdm import tqdm  # noqa: E402
 from knittrans_jax import gin_cli  # noqa: E402
 from knittrans_jax.admission import TrainBatchSpec  # noqa: E402
 from knittrans_jax.sim import SimConfig, simulate  # noqa: E402
-from knittrans_jax.sim.sweep import COMBOS, headline, refine, run_points, split, window_grid  # noqa: E402
+from knittrans_jax.sim.sweep import (COMBOS, headline, over_seeds, reduction_by_window,  # noqa: E402
+                                     refine, run_points, runs_below_bound, split, sweep_points,
+                                     window_grid)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLORS = {"train_batch": "tab:red", "fifo": "tab:gray", "constraint_preserving": "tab:blue"}
@@ -54,9 +56,16 @@ def style(name: str) -> tuple[str, str]:
   return COLORS[admission], DASHES.get(dispatch, ":")
 
 
-def sweep(config: SimConfig, refine_steps: int = 5):
+def sweep(config: SimConfig, refine_steps: int = 5, up_to: int = 3):
+  """The window sweep and its headline (train_batch at W = 2G). With up_to = 4 the
+  grid reaches 4G and the matched points are bisected against every baseline
+  window (reduction_by_window reads G, 2G and 4G from it)."""
+  if up_to >= 4:
+    summaries = sweep_points(config, COMBOS, window_grid(config, up_to=up_to),
+                             refine_steps=refine_steps, desc=f"seed {config.seed}")
+    return summaries, headline(summaries, config)
   G = config.spec.groups_per_batch
-  points = [(p, w, "disaggregated") for p in COMBOS for w in window_grid(config, up_to=3)
+  points = [(p, w, "disaggregated") for p in COMBOS for w in window_grid(config, up_to=up_to)
             if split(p)[0] != "train_batch" or w >= G]
   points.append(("train_batch", None, "colocated"))
   summaries = [s for s, _ in run_points(config, points)]
@@ -171,11 +180,19 @@ def sensitivity_figure(results, path):
   plt.close(fig)
 
 
-def staleness(out: str, sensitivity_batches: int) -> dict:
+def staleness(out: str, sensitivity_batches: int, seeds=(0, 1, 2, 3, 4)) -> dict:
   config = SimConfig()
   bar = tqdm(total=12, desc="staleness figures", unit="sweep")  # 1 + 11 sensitivity points
-  summaries, head = sweep(config)
+  summaries, head = sweep(config, up_to=4)
   bar.update()
+  by_seed = {config.seed: reduction_by_window(summaries, config)}
+  below = {config.seed: runs_below_bound(summaries, config)}
+  for seed in seeds:  # the reduction at each baseline window, over seeds
+    if seed != config.seed:
+      other = config.replace(seed=seed)
+      points, _ = sweep(other, up_to=4)
+      by_seed[seed] = reduction_by_window(points, other)
+      below[seed] = runs_below_bound(points, other)
   colocated = next(p for p in summaries if p["mode"] == "colocated")
   frontier_figure(summaries, head, colocated, os.path.join(out, "staleness_frontier.png"))
   cdf = cdf_figure(config, head, os.path.join(out, "staleness_cdf.png"))
@@ -183,6 +200,9 @@ def staleness(out: str, sensitivity_batches: int) -> dict:
   sensitivity_figure(sens, os.path.join(out, "staleness_sensitivity.png"))
   bar.close()
   return {"headline": {k: v for k, v in head.items() if k != "policies"},
+          "reduction_by_baseline_window": by_seed[config.seed],
+          "reduction_by_baseline_window_over_seeds": over_seeds(by_seed), "seeds": sorted(by_seed),
+          "runs_below_bound": {str(k): v for k, v in below.items()},
           "matched": {n: {k: p[k] for k in ("window", "throughput_traj_per_s", "arch_staleness_mean",
                                             "arch_staleness_signed_mean", "arch_staleness_p99",
                                             "quota_violations", "arch_floor_mean", "reduction",
@@ -245,8 +265,12 @@ def _subprocess(cmd, log_path, what):
     raise RuntimeError(f"{what} failed (exit {code}); {log_path} ends:\n{tail}")
 
 
+QUICK_RUNS = ("colocated", "train_batch W=2G", "constraint_preserving W=G/2",
+              "tails: train_batch W=2G", "tails: constraint_preserving+quota_aware W=G/2")
+
+
 def real_runs(out: str, work: str, train_batches: int, matching: str | None = None,
-              previous: dict | None = None) -> dict:
+              previous: dict | None = None, quick: bool = False) -> dict:
   """The default text job once per admission policy and colocated, side by side.
   `matching`: rerun only the runs whose name starts with it and keep the others'
   numbers from `previous` (the figures are redrawn from all of them)."""
@@ -257,7 +281,8 @@ def real_runs(out: str, work: str, train_batches: int, matching: str | None = No
                        f"figures/numbers.json has none at {train_batches} train batches")
     results = {k: v for k, v in previous["policies"].items()
                if k in RUNS and not k.startswith(matching)}
-  todo = {k: v for k, v in RUNS.items() if matching is None or k.startswith(matching)}
+  todo = {k: v for k, v in RUNS.items() if (matching is None or k.startswith(matching))
+          and (not quick or k in QUICK_RUNS)}
   if not todo:
     raise ValueError(f"--runs_matching {matching!r} matches none of {list(RUNS)}")
   bar = tqdm(todo.items(), desc="tiny runs", unit="run")
@@ -267,7 +292,9 @@ def real_runs(out: str, work: str, train_batches: int, matching: str | None = No
     os.makedirs(os.path.dirname(wd), exist_ok=True)
     cmd = [sys.executable, "scripts/train.py", "--gin_file", "configs/text_grpo_tiny.gin",
            "--workdir", wd, "--overwrite",
-           "--gin_bindings", f"JobConfig.train_batches = {train_batches}"]
+           "--gin_bindings", f"JobConfig.train_batches = {train_batches}",
+           # Staleness and throughput are what these runs show; the learning study evaluates.
+           "--gin_bindings", "EvalConfig.every_steps = 0"]
     for b in bindings:
       cmd += ["--gin_bindings", b]
     _subprocess(cmd, wd + ".log", f"the {name} run")
@@ -342,8 +369,9 @@ def learning(out: str, work: str, quick: bool) -> dict:
   study_out = os.path.join(work, "study_quick" if quick else "study")
   cmd = [sys.executable, "scripts/study.py", "--gin_file", "configs/study/staleness.gin",
          "--out", study_out]
-  if quick:
-    cmd += ["--gin_bindings", "study.seeds = (0, 1)", "--gin_bindings", "study.train_batches = 15"]
+  if quick:  # the machinery at a glance: 4 configurations x 2 seeds x 8 train batches
+    cmd = [sys.executable, "scripts/study.py", "--gin_file", "configs/study/staleness_quick.gin",
+           "--out", study_out]
   os.makedirs(study_out, exist_ok=True)
   _subprocess(cmd, os.path.join(study_out, "study.log"), "the learning study")
   with open(os.path.join(study_out, "results.json")) as f:
@@ -354,7 +382,7 @@ def learning(out: str, work: str, quick: bool) -> dict:
   keep = ("seeds", "final_reward_mean", "final_reward_ci95", "arch_staleness_mean_mean",
           "traj_per_s_mean", "traj_per_s_ci95", "steps_to_threshold_mean",
           "steps_to_threshold_ci95", "train_s_to_threshold_mean", "reached_threshold",
-          "quota_violations", "gap_closed", "gap_closed_ci95")
+          "quota_violations", "gap_closed", "gap_closed_ci95", "vs")
   configs = {}
   for name, s in res["summary"].items():
     c = {k: s[k] for k in keep if k in s}
@@ -364,9 +392,11 @@ def learning(out: str, work: str, quick: bool) -> dict:
   return {"configurations": configs, "metric": res["metric"], "threshold": res["threshold"],
           "baseline": res["baseline"], "reference": res["reference"],
           "base_gin": res["base_gin"], "common_bindings": res["common_bindings"],
+          "interval_method": res["interval_method"], "selection_seeds": res["selection_seeds"],
+          "reported_seeds": res["reported_seeds"], "eval_train_overlap": res["eval_train_overlap"],
+          "comparisons": {name: s["vs"] for name, s in res["summary"].items() if "vs" in s},
           "dose_response": res["dose_response"] and {
-              k: res["dose_response"][k] for k in ("configurations", "slope", "intercept",
-                                                   "slope_ci95")},
+              k: res["dose_response"][k] for k in ("configurations", "per_configuration", "fit")},
           "table": study_table(res), "study_wall_s": res["wall_s"]}
 
 
@@ -379,7 +409,7 @@ def study_table(res) -> str:
 # -- transfer: centralized baseline vs on-demand, text and vlm ------------------
 def transfer(out: str, work: str, quick: bool) -> dict:
   results = {}
-  size = ["--prompts", "16", "--mini_batches", "1"] if quick else []
+  size = ["--prompts", "8", "--mini_batches", "2"] if quick else []
   for workload in tqdm(("text", "vlm"), desc="transfer bench", unit="workload"):
     path = os.path.join(work, f"bench_transfer_{workload}.json")
     _subprocess([sys.executable, "scripts/bench_transfer.py", "--workload", workload, "--json",
@@ -393,29 +423,38 @@ def transfer(out: str, work: str, quick: bool) -> dict:
 def transfer_figure(benches: dict, out: str) -> dict:
   """transfer_latency.png from {workload: bench_transfer JSON}; returns its numbers."""
   results = {}
+  sides = ("baseline", "prefetch", "ondemand")
   for workload, d in benches.items():
+    side = {"baseline": d["baselines"]["centralized"],
+            "prefetch": d["baselines"]["centralized_prefetch"], "ondemand": d["ondemand"]}
     results[workload] = {
         "trajectories": d["trajectories"], "consumers": d["consumers"],
-        **{f"{side}_{k}": d[side][k] for side in ("baseline", "ondemand")
+        **{f"{name}_{k}": side[name][k] for name in sides
            for k in ("exposed_s", "raw_transfer_s", "total_s")},
-        "bytes_baseline": d["bytes_moved"]["baseline"], "bytes_ondemand": d["bytes_moved"]["ondemand"],
+        **{f"bytes_{name}": d["bytes_moved"][name] for name in sides},
         "exposed_ratio": d["exposed_ratio"], "raw_ratio": d["raw_ratio"],
-        "total_ratio": d["total_ratio"]}
-  fig, axes = plt.subplots(1, 2, figsize=(9, 4))
+        "prefetch_exposed_ratio": side["prefetch"]["exposed_ratio"],
+        "total_ratio_vs_centralized": side["baseline"]["total_ratio"],
+        "total_ratio": d["total_ratio"]}  # end to end, against the prefetching baseline
+  fig, axes = plt.subplots(1, 3, figsize=(13, 4))
   workloads = list(results)
-  for ax, key, title in zip(axes, ("exposed_s", "raw_transfer_s"),
-                            ("exposed (the step waits)", "raw (moving the data)")):
+  colors = {"baseline": "tab:red", "prefetch": "tab:orange", "ondemand": "tab:blue"}
+  labels = {"baseline": "centralized", "prefetch": "centralized + prefetch",
+            "ondemand": "on-demand"}
+  for ax, key, title in zip(axes, ("exposed_s", "raw_transfer_s", "total_s"),
+                            ("exposed (the step waits)", "raw (moving the data)",
+                             "total (transfer + training)")):
     x = np.arange(len(workloads))
-    for i, side in enumerate(("baseline", "ondemand")):
+    for i, side in enumerate(sides):
       vals = [results[w][f"{side}_{key}"] for w in workloads]
-      ax.bar(x + (i - 0.5) * 0.38, vals, 0.38, label=side,
-             color="tab:red" if side == "baseline" else "tab:blue")
+      ax.bar(x + (i - 1) * 0.27, vals, 0.27, label=labels[side], color=colors[side])
     ax.set_xticks(x, workloads)
-    ax.set_yscale("log")
+    if key != "total_s":
+      ax.set_yscale("log")
     ax.set_ylabel("seconds, whole bench (max over consumers)")
-    ax.set_title(f"transfer latency: {title}")
-    ax.legend()
-  fig.suptitle("Centralized baseline vs on-demand reads (scripts/bench_transfer.py)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+  fig.suptitle("Centralized baselines vs on-demand reads (scripts/bench_transfer.py)")
   fig.tight_layout()
   fig.savefig(os.path.join(out, "transfer_latency.png"), dpi=130)
   plt.close(fig)
@@ -491,8 +530,26 @@ def staleness_section(s) -> list[str]:
             "run's groups trained the moment they finished: not a lower bound, other policies "
             "go below it); constraint_preserving at the "
             f"same window W = 2G: {h['reduction_same_window']:.3f}. Colocated: "
-            f"{s['colocated_throughput']:.2f} traj/s.",
-            "", "![cdf](staleness_cdf.png)", "",
+            f"{s['colocated_throughput']:.2f} traj/s.", "",
+            f"Policy-independent bound (`sim/metrics.staleness_bound`: each trajectory's own "
+            f"decode time at the baseline's throughput, an evenly stepping trainer): a >= "
+            f"{h['bound']:.2f}, so no policy reduces staleness by more than "
+            f"**{h['bound_reduction']:.3f}**; {h.get('best')} reaches "
+            f"{h['fraction_of_bound']:.2f} of that. Sweep points below the bound: "
+            f"{sum(len(v) for v in s.get('runs_below_bound', {}).values())}.", "",
+            "The baseline's window (best quota-keeping combination at matched throughput, "
+            f"seeds {s.get('seeds')}):", "",
+            "| train_batch's window | reduction, seed 0 | mean over seeds [range] | "
+            "bound_reduction (mean) | constraint_preserving at the same window, seed 0 |",
+            "| --- | --- | --- | --- | --- |"]
+  over = s.get("reduction_by_baseline_window_over_seeds", {})
+  for key, r in s.get("reduction_by_baseline_window", {}).items():
+    o = over.get(key, {})
+    b = o.get("bound_reduction", {})
+    lines.append(f"| W = {key} = {r['window']} | {r['reduction']:.3f} | {o.get('mean', float('nan')):.3f} "
+                 f"[{o.get('min', float('nan')):.3f}, {o.get('max', float('nan')):.3f}] | "
+                 f"{b.get('mean', float('nan')):.3f} | {r['reduction_same_window']:.3f} |")
+  lines += ["", "![cdf](staleness_cdf.png)", "",
             "| policy | W | p50 | p90 | p99 |", "| --- | --- | --- | --- | --- |"]
   for name, c in s["cdf"].items():
     lines.append(f"| {name} | {c['window']} | {c['p50']:.0f} | {c['p90']:.0f} | {c['p99']:.0f} |")
@@ -547,21 +604,27 @@ def runs_section(r) -> list[str]:
 
 
 def transfer_section(t) -> list[str]:
-  lines = ["## Transfer latency: centralized baseline vs on-demand", "",
+  lines = ["## Transfer: centralized baselines vs on-demand, end to end", "",
            "![transfer](transfer_latency.png)", "",
-           "| workload | trajectories | exposed base / on-demand (s) | ratio | raw base / "
-           "on-demand (s) | ratio | bytes moved base / on-demand (MB) | total ratio |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "`python scripts/bench_transfer.py --workload text|vlm`. The headline is the total "
+           "(transfer + training) against the strongest baseline, the centralized driver with "
+           "one step of prefetch.", "",
+           "| workload | trajectories | total s: centralized / + prefetch / on-demand | "
+           "**total ratio** (vs + prefetch) | vs centralized | exposed s: centralized / + prefetch "
+           "/ on-demand | MB moved: centralized (either) / on-demand |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
   for w, d in t.items():
-    lines.append(f"| {w} | {d['trajectories']} | {d['baseline_exposed_s']:.3f} / "
-                 f"{d['ondemand_exposed_s']:.3f} | {d['exposed_ratio']:.1f}x | "
-                 f"{d['baseline_raw_transfer_s']:.3f} / {d['ondemand_raw_transfer_s']:.3f} | "
-                 f"{d['raw_ratio']:.2f}x | {d['bytes_baseline'] / 1e6:.0f} / "
-                 f"{d['bytes_ondemand'] / 1e6:.0f} | {d['total_ratio']:.2f}x |")
+    lines.append(
+        f"| {w} | {d['trajectories']} | {d['baseline_total_s']:.2f} / {d['prefetch_total_s']:.2f}"
+        f" / {d['ondemand_total_s']:.2f} | **{d['total_ratio']:.2f}x** | "
+        f"{d['total_ratio_vs_centralized']:.2f}x | {d['baseline_exposed_s']:.3f} / "
+        f"{d['prefetch_exposed_s']:.3f} / {d['ondemand_exposed_s']:.3f} | "
+        f"{d['bytes_baseline'] / 1e6:.0f} / {d['bytes_ondemand'] / 1e6:.0f} |")
   lines += ["", "Seconds are summed over the whole bench (every mini-batch; the max over "
-            "consumers), so a --quick run's are not comparable with a full run's. Ratios are "
-            "baseline / on-demand. Exposed: the time a consumer's step waited for data; raw: "
-            "the time spent moving it, overlapped or not.", ""]
+            "consumers), so a --quick run's are not comparable with a full run's. Exposed: the "
+            "time a consumer's step waited for data. The vlm workload's bytes include the image "
+            "copies the centralized driver sends per trajectory; `--no-dedup` compares at equal "
+            "bytes (docs/dataplane.md).", ""]
   return lines
 
 
@@ -595,7 +658,10 @@ def learning_section(lr) -> list[str]:
           "every configuration with every seed, one run at a time; final reward = mean held-out "
           f"{lr['metric']} reward of the current policy over the last 10% of the steps. Gap "
           f"closed: share of the `{lr['reference']}` vs `{lr['baseline']}` gap in final reward, "
-          "bootstrap over seeds. docs/learning.md reads it. The study resumes: its finished "
+          f"paired by seed. Intervals: {lr.get('interval_method', 'n/a')}. Reported seeds "
+          f"{lr.get('reported_seeds')}; settings chosen on seeds {lr.get('selection_seeds')}; "
+          f"evaluation prompts that occur in training: {lr.get('eval_train_overlap')}. "
+          "docs/learning.md reads it. The study resumes: its finished "
           "runs are read, not rerun, so the wall time in the table above is this call's; "
           "docs/learning.md gives the runs' own.", "",
           "![learning](study_learning_curves.png)", "", lr["table"], "",
@@ -634,7 +700,7 @@ def main():
                       help="figure groups to (re)make; the others keep their numbers")
   parser.add_argument("--out", default="figures")
   parser.add_argument("--quick", action="store_true",
-                      help="smaller runs and benchmarks (under 10 min here); same figures")
+                      help="every figure at reduced size, in a few minutes (prints each part's time)")
   parser.add_argument("--work", default="runs/figures",
                       help="where the runs and benchmark stores go (not committed)")
   parser.add_argument("--sensitivity_batches", type=int, default=None,
@@ -643,7 +709,7 @@ def main():
                       help="runs group: rerun only the runs whose name starts with this "
                       "(e.g. 'tails:'), keeping the others' numbers")
   parser.add_argument("--train_batches", type=int, default=None,
-                      help="train batches per tiny run (default 100; quick 15)")
+                      help="train batches per tiny run (default 100; quick 8, five of the runs)")
   args = parser.parse_args()
   if not args.gin_file:
     args.gin_file = ["configs/sim/paper_text.gin"]
@@ -666,11 +732,11 @@ def main():
                      + ([f"--sensitivity_batches {args.sensitivity_batches}"]
                         if args.sensitivity_batches else []))
   sens = args.sensitivity_batches or (3 if args.quick else 10)
-  batches = args.train_batches or (15 if args.quick else 100)
+  batches = args.train_batches or (8 if args.quick else 100)
   makers = {
-      "staleness": lambda: staleness(args.out, sens),
+      "staleness": lambda: staleness(args.out, sens, (0,) if args.quick else (0, 1, 2, 3, 4)),
       "runs": lambda: real_runs(args.out, os.path.abspath(args.work), batches,
-                                args.runs_matching, numbers.get("runs")),
+                                args.runs_matching, numbers.get("runs"), args.quick),
       "learning": lambda: learning(args.out, os.path.abspath(args.work), args.quick),
       "transfer": lambda: transfer(args.out, os.path.abspath(args.work), args.quick),
       "multimodal": lambda: multimodal(args.out, os.path.abspath(args.work), args.quick),
@@ -682,11 +748,14 @@ def main():
     t0 = time.perf_counter()
     numbers[group] = makers[group]()
     numbers["made"][group] = {"command": command, "wall_s": time.perf_counter() - t0}
+    print(f"{group}: {numbers['made'][group]['wall_s']:.0f} s", flush=True)
     with open(numbers_path, "w") as f:  # after every group: an interrupted run keeps the rest
       json.dump(numbers, f, indent=1, default=float)
     write_summary(args.out, numbers)
   gin_cli.save_operative_config(args.out)
   print(open(os.path.join(args.out, "summary.md")).read())
+  print("time per part: " + ", ".join(f"{g} {numbers['made'][g]['wall_s']:.0f} s"
+                                      for g in GROUPS if g in args.only))
   print(f"all groups in {time.perf_counter() - t_all:.0f} s")
 
 

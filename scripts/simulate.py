@@ -18,48 +18,11 @@ import os
 import time
 
 import gin
-from tqdm import tqdm
 
 from knittrans_jax import gin_cli
 from knittrans_jax.sim import SimConfig
-from knittrans_jax.sim.sweep import (BASELINE_WINDOWS, COMBOS, headline, reduction_by_window,
-                                     refine, run_points, runs_below_bound, split,
-                                     window_grid)
-
-
-def _points(config, policies, windows, workers, match_tolerance, refine_steps, desc):
-  G = config.spec.groups_per_batch
-  # train_batch needs a whole train batch in flight: W >= G.
-  points = [(p, w, "disaggregated") for p in policies for w in windows
-            if split(p)[0] != "train_batch" or w >= G]
-  points.append(("train_batch", None, "colocated"))
-  with tqdm(total=len(points), desc=desc, unit="run") as bar:
-    results = run_points(config, points, workers, progress=bar.update)
-  summaries = [s for s, _ in results]
-  if refine_steps:  # the matched point bisected for each baseline window
-    for b in BASELINE_WINDOWS:
-      if int(b * G) in windows:
-        summaries += refine(summaries, config, policies, match_tolerance, refine_steps, workers,
-                            baseline_window=int(b * G))
-  return summaries
-
-
-def over_seeds(by_seed: dict) -> dict:
-  """{'1G': {'mean', 'min', 'max', 'by_seed'}, ...} of the reduction at each baseline
-  window, from {seed: reduction_by_window(...)}."""
-  out = {}
-  for key in sorted({k for r in by_seed.values() for k in r}):
-    entry = {}
-    for field in ("reduction", "bound_reduction"):
-      vals = {seed: r[key][field] for seed, r in by_seed.items()
-              if key in r and r[key][field] is not None}
-      if vals:
-        v = list(vals.values())
-        stats = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "by_seed": vals}
-        entry.update(stats) if field == "reduction" else entry.update({field: stats})
-    if entry:
-      out[key] = entry
-  return out
+from knittrans_jax.sim.sweep import (COMBOS, headline, over_seeds, reduction_by_window,
+                                     runs_below_bound, sweep_points, window_grid)
 
 
 @gin.configurable
@@ -69,7 +32,7 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
   config = SimConfig()
   t0 = time.perf_counter()
   windows = list(windows) if windows else window_grid(config)
-  summaries = _points(config, policies, windows, workers, match_tolerance, refine_steps,
+  summaries = sweep_points(config, policies, windows, workers, match_tolerance, refine_steps,
                       f"seed {config.seed}")
   by_window = reduction_by_window(summaries, config, match_tolerance)
   by_seed = {config.seed: by_window}
@@ -77,7 +40,7 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
   for seed in seeds:
     if seed != config.seed:
       other = config.replace(seed=seed)
-      points = _points(other, policies, windows, workers, match_tolerance, refine_steps,
+      points = sweep_points(other, policies, windows, workers, match_tolerance, refine_steps,
                        f"seed {seed}")
       by_seed[seed] = reduction_by_window(points, other, match_tolerance)
       below[seed] = runs_below_bound(points, other)

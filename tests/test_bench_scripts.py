@@ -124,7 +124,13 @@ def test_reproduce_figures_staleness(tmp_path):
   for name in ("staleness_frontier.png", "staleness_cdf.png", "staleness_sensitivity.png",
                "summary.md", "numbers.json"):
     assert (out / name).stat().st_size > 0, name
-  assert "Reduction vs train_batch" in (out / "summary.md").read_text()
+  text = (out / "summary.md").read_text()
+  assert "Reduction vs train_batch" in text and "Policy-independent bound" in text
+  st = json.loads((out / "numbers.json").read_text())["staleness"]
+  assert set(st["reduction_by_baseline_window"]) == {"1G", "2G", "4G"} and st["seeds"] == [0, 1, 2, 3, 4]
+  assert all(r["reduction"] <= r["bound_reduction"] for r in st["reduction_by_baseline_window"].values())
+  assert st["runs_below_bound"] == {str(k): [] for k in range(5)}
+  assert "| W = 4G = 128 |" in text
 
 
 @pytest.mark.slow
@@ -144,7 +150,7 @@ def test_bench_train_step_writes_its_json(tmp_path):
 def test_bench_transfer_writes_its_json(tmp_path):
   out = tmp_path / "transfer.json"
   proc = subprocess.run([sys.executable, "scripts/bench_transfer.py", "--workload", "vlm",
-                         "--json", str(out), "--prompts", "4", "--mini_batches", "1", "--micro", "8",
+                         "--json", str(out), "--prompts", "4", "--mini_batches", "2", "--micro", "8",
                          "--seq", "32"], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
@@ -152,7 +158,17 @@ def test_bench_transfer_writes_its_json(tmp_path):
     assert r["baseline"][key] > 0 and r["ondemand"][key] >= 0
   assert r["bytes_moved"]["baseline"] > r["bytes_moved"]["ondemand"] > 0
   assert r["exposed_ratio"] > 0 and r["raw_ratio"] > 0
-  assert r["trajectories"] == 32 and r["dedup_images"]
+  assert r["trajectories"] == 64 and r["dedup_images"]
+  # The prefetching baseline moves the same bytes mini-batch by mini-batch and hides
+  # the second mini-batch's transfer: less exposed than the plain one, never more
+  # exposed than its own raw transfer. The headline is end to end against it.
+  pre, base = r["baselines"]["centralized_prefetch"], r["baselines"]["centralized"]
+  assert base == r["baseline"]
+  assert pre["bytes_moved"] == pytest.approx(base["bytes_moved"], rel=0.01)
+  assert 0 < pre["exposed_s"] < base["exposed_s"] and pre["exposed_s"] <= pre["raw_transfer_s"]
+  assert r["total_ratio"] == pre["total_ratio"] == pytest.approx(
+      pre["total_s"] / r["ondemand"]["total_s"])
+  assert "centralized_prefetch" in proc.stdout
   fig = figures_module().transfer_figure({"vlm": r}, str(tmp_path))["vlm"]
   assert fig["exposed_ratio"] == r["exposed_ratio"]
   assert fig["baseline_exposed_s"] == r["baseline"]["exposed_s"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import multiprocessing as mp
 import pickle
+import queue
 import threading
 import time
 from typing import Any, Callable, Sequence
@@ -177,3 +178,74 @@ def send_slices(conn, payload: Payload, plan, started: float) -> int:
   conn.send_bytes(data)
   conn.send(elapsed)
   return len(data)
+
+
+class PrefetchPipeFetch:
+  """The centralized baseline with one step of prefetch (double buffering), the
+  strongest simple thing a user of a single-controller stack writes: the driver
+  sends each mini-batch's slice as soon as it has gathered it, and a thread here
+  receives and unpickles the next mini-batch's slice while the current one computes.
+  `stats`: seconds that thread spent receiving and unpickling (raw transfer, mostly
+  hidden behind compute), bytes, and the driver's time (after its last slice)."""
+
+  def __init__(self, conn, mini_batches: int):
+    self.conn, self.mini_batches = conn, mini_batches
+    self.stats = {"recv_s": 0.0, "unpickle_s": 0.0, "bytes": 0, "wait_s": 0.0}
+    self._ready = queue.Queue(maxsize=1)  # one mini-batch ahead of compute
+    self._thread = threading.Thread(target=self._receive, daemon=True)
+    self._thread.start()
+
+  def _receive(self) -> None:
+    try:
+      for _ in range(self.mini_batches):
+        t0 = time.perf_counter()
+        data = self.conn.recv_bytes()
+        t1 = time.perf_counter()
+        micros = [to_payload(s) for s in deserialize(data)]
+        self.stats["recv_s"] += t1 - t0
+        self.stats["unpickle_s"] += time.perf_counter() - t1
+        self.stats["bytes"] += len(data)
+        self._ready.put(micros)
+      self.stats["driver_s"] = self.conn.recv()
+    except Exception as e:  # noqa: BLE001  (handed to the consumer's next fetch)
+      self._ready.put(e)
+
+  def __call__(self, plan):
+    t0 = time.perf_counter()
+    out = self._ready.get()
+    self.stats["wait_s"] += time.perf_counter() - t0  # the part of a take spent waiting here
+    if isinstance(out, Exception):
+      raise RuntimeError(f"the driver's pipe failed: {out!r}") from out
+    if [m.id for p in out for m in p.metas] != [m.id for mb in plan for m in mb]:
+      raise RuntimeError("the driver's mini-batch slice is not this consumer's plan for it")
+    return out
+
+  def close(self) -> None:
+    self._thread.join(timeout=60)
+
+
+def stream_slices(conns: Sequence, store: TrajectoryStore, mini_batch_metas: Sequence,
+                  plans: Sequence[Sequence[Sequence[Sequence[TrajMeta]]]], started: float) -> int:
+  """The prefetching driver: for each mini-batch, one gather, then each consumer's
+  slice pickled and sent (a thread per consumer, so one slow reader does not hold up
+  the others); then the seconds since `started`. plans[c][k]: consumer c's
+  micro-batches of mini-batch k. Returns (bytes read from the store, bytes sent)."""
+  sent, read = [0] * len(conns), 0
+
+  def send(c, payload, k):
+    data = serialize(consumer_slice(payload, plans[c][k]))
+    conns[c].send_bytes(data)
+    sent[c] += len(data)
+
+  for k, metas in enumerate(mini_batch_metas):
+    payload = gather(store, metas)
+    read += payload.nbytes_read
+    threads = [threading.Thread(target=send, args=(c, payload, k)) for c in range(len(conns))]
+    for t in threads:
+      t.start()
+    for t in threads:
+      t.join()
+  elapsed = time.perf_counter() - started
+  for conn in conns:
+    conn.send(elapsed)
+  return read, sum(sent)

@@ -32,6 +32,8 @@ import multiprocessing as mp
 import os
 from typing import Iterable, Sequence
 
+from tqdm import tqdm
+
 from knittrans_jax.sim.config import SimConfig
 from knittrans_jax.sim.metrics import staleness_bound, summarize
 from knittrans_jax.sim.pipeline import SimulationStalled, simulate
@@ -219,4 +221,42 @@ def reduction_by_window(points: list[dict], config: SimConfig, match_tolerance: 
                       "bound": h["bound"], "bound_reduction": h["bound_reduction"],
                       "fraction_of_bound": h["fraction_of_bound"],
                       "baseline_throughput_traj_per_s": h["baseline_throughput_traj_per_s"]}
+  return out
+
+
+def sweep_points(config: SimConfig, policies, windows, workers=None, match_tolerance=0.0,
+                 refine_steps=5, desc="sweep") -> list[dict]:
+  """Every policy at every window (train_batch only from G), colocated, and the matched
+  point bisected against each baseline window in the grid; with a progress bar."""
+  G = config.spec.groups_per_batch
+  # train_batch needs a whole train batch in flight: W >= G.
+  points = [(p, w, "disaggregated") for p in policies for w in windows
+            if split(p)[0] != "train_batch" or w >= G]
+  points.append(("train_batch", None, "colocated"))
+  with tqdm(total=len(points), desc=desc, unit="run") as bar:
+    results = run_points(config, points, workers, progress=bar.update)
+  summaries = [s for s, _ in results]
+  if refine_steps:  # the matched point bisected for each baseline window
+    for b in BASELINE_WINDOWS:
+      if int(b * G) in windows:
+        summaries += refine(summaries, config, policies, match_tolerance, refine_steps, workers,
+                            baseline_window=int(b * G))
+  return summaries
+
+
+def over_seeds(by_seed: dict) -> dict:
+  """{'1G': {'mean', 'min', 'max', 'by_seed'}, ...} of the reduction at each baseline
+  window, from {seed: reduction_by_window(...)}."""
+  out = {}
+  for key in sorted({k for r in by_seed.values() for k in r}):
+    entry = {}
+    for field in ("reduction", "bound_reduction"):
+      vals = {seed: r[key][field] for seed, r in by_seed.items()
+              if key in r and r[key][field] is not None}
+      if vals:
+        v = list(vals.values())
+        stats = {"mean": sum(v) / len(v), "min": min(v), "max": max(v), "by_seed": vals}
+        entry.update(stats) if field == "reduction" else entry.update({field: stats})
+    if entry:
+      out[key] = entry
   return out
