@@ -12,8 +12,17 @@ Parameters, optimizer state and the gradient accumulator are counted from their
 shardings (exact: the bytes each device holds); temporaries come from XLA's compiled
 memory analysis; `saved_act` is what autodiff keeps for the backward pass (where
 DecoderConfig.remat shows), divided over the batch shards. `peak` adds the resident
-state and the batch to the larger of the two steps' temporaries. docs/models.md says
+state and the batch to the larger of the two steps' temporaries. `logits_materialised`:
+whether the step's program (traced, not compiled) holds a [rows, seq_len, vocab]
+array; `largest_vocab_activation` is the biggest vocabulary-sized one it does hold
+(train/program_arrays.py). The step computes log-probs from the hidden states in
+chunks of LossConfig.logprob_chunk tokens; `--full_logits` plans the step as it was
+before (the whole [rows, seq_len, vocab] logits), for comparison. docs/models.md says
 how far CPU figures carry to GPU and TPU.
+
+JSON: `plans` (a list) and `layouts` {mesh name: the same plan}, each with
+`peak_bytes`, `compile_s`, `logits_materialised`; top-level `logits_materialised` is
+true if any layout's is.
 """
 from __future__ import annotations
 
@@ -51,7 +60,13 @@ def _rows_per_shard(sharding, rows: int) -> int:
   return sharding.shard_shape((rows, 1))[0]
 
 
-def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[str]) -> dict:
+def full_logits_forward(model, batch):
+  """The train step's forward before chunked log-probs: the whole logits."""
+  return model(batch["tokens"], batch["attention_mask"])
+
+
+def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[str],
+         full_logits: bool = False) -> dict:
   import gin
   import jax
   import jax.numpy as jnp
@@ -63,7 +78,9 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
   from knittrans_jax.train import MeshConfig, OptimizerConfig, StepFunctions, make_mesh, make_optimizer
   from knittrans_jax.train.batch import batch_shardings
   from knittrans_jax.train.mesh import replicated
+  from knittrans_jax.train.program_arrays import largest_vocab_activation
   from knittrans_jax.train.state import train_state_shapes
+  from knittrans_jax.train.step import text_forward
 
   gin.clear_config()
   gin.add_config_file_search_path(str(gin_cli.REPO_ROOT))
@@ -81,7 +98,8 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
                                              mesh_cfg.rules)
   except ValueError as e:  # e.g. a dimension that a mesh axis does not divide
     return {**out, "error": str(e)}
-  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules)
+  forward = full_logits_forward if full_logits else text_forward
+  fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules, forward=forward)
 
   def per_device(tree, shardings=None) -> int:
     leaves = jax.tree.leaves(tree)
@@ -105,6 +123,9 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
                       jax.eval_shape(lambda st, b: fns._micro(st.params, b, jnp.float32(1))[1],
                                      state, batch))
   n = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
+  vocab_shape = largest_vocab_activation(
+      lambda st, b: fns._micro(st.params, b, jnp.float32(1)), state, batch,
+      vocab=model_cfg.vocab_size)
   saved = saved_activation_bytes(fns, state.params, batch)
   if saved is not None:  # activations are split over the batch shards (at least)
     saved //= max(1, rows // max(1, _rows_per_shard(bsh["tokens"], rows)))
@@ -124,7 +145,8 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
           "batch_bytes": per_device(batch), "saved_activation_bytes": saved,
           "peak_bytes": resident + per_device(batch) + max(int(m.temp_size_in_bytes),
                                                            int(a.temp_size_in_bytes)),
-          "compile_s": round(compile_s, 2)}
+          "compile_s": round(compile_s, 2), "largest_vocab_activation": list(vocab_shape),
+          "logits_materialised": math.prod(vocab_shape) >= rows * (seq_len - 1) * model_cfg.vocab_size}
 
 
 def main():
@@ -140,6 +162,8 @@ def main():
   parser.add_argument("--gin_bindings", action="append", default=[],
                       help="e.g. \"DecoderConfig.remat = 'full'\" (repeatable)")
   parser.add_argument("--json", default=None, help="write the plans here")
+  parser.add_argument("--full_logits", action="store_true",
+                      help="plan the step with the whole logits, as before chunked log-probs")
   args = parser.parse_args()
   # Before JAX starts: N host devices stand in for the accelerators.
   os.environ["JAX_PLATFORMS"] = "cpu"
@@ -154,7 +178,7 @@ def main():
   from tqdm import tqdm
   for mesh_gin in tqdm(meshes, desc="compiling", unit="layout", disable=None):
     plans.append(plan(gin_cli._resolve(args.model), gin_cli._resolve(mesh_gin), rows,
-                      args.seq_len, bindings))
+                      args.seq_len, bindings, args.full_logits))
   print(f"\n{args.model}: {args.devices} devices, micro-batch {rows} x {args.seq_len} tokens"
         f"{'; ' + '; '.join(args.gin_bindings) if args.gin_bindings else ''}")
   ok = [p for p in plans if "error" not in p]
@@ -163,17 +187,20 @@ def main():
   cols = ("params_bytes", "opt_state_bytes", "grad_acc_bytes", "saved_activation_bytes",
           "micro_temp_bytes", "apply_temp_bytes", "peak_bytes")
   print(f"{name} per device    params  opt_state  grad_acc  saved_act  micro_tmp  apply_tmp"
-        "       peak  compile_s")
+        "       peak  compile_s  logits")
   for p in plans:
     if "error" in p:
       print(f"{p['mesh']:<14} does not fit: {p['error']}")
       continue
     print(f"{p['mesh']:<14}" + "".join(_fmt(p[c] or 0, unit) + " " for c in cols) +
-          f"{p['compile_s']:9.1f}")
+          f"{p['compile_s']:9.1f}  {'[B,T,V]' if p['logits_materialised'] else 'chunked'}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump({"model": args.model, "devices": args.devices, "rows": rows,
-                 "seq_len": args.seq_len, "bindings": args.gin_bindings, "plans": plans}, f,
+                 "seq_len": args.seq_len, "bindings": args.gin_bindings,
+                 "full_logits": args.full_logits, "plans": plans,
+                 "layouts": {p["mesh"]: p for p in plans},
+                 "logits_materialised": any(p.get("logits_materialised") for p in ok)}, f,
                 indent=2)
 
 

@@ -219,3 +219,28 @@ def test_bench_multimodal_writes_its_json(tmp_path):
   assert fig["seconds_per_mini_batch"]["dedup_only"] == r["ablation"]["dedup_only_s"]
   assert fig["seconds_per_mini_batch"]["knittrans"] == r["knittrans_s"]
   assert (tmp_path / "multimodal_step.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
+  out = tmp_path / "throughput.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_throughput.py", "--gin_file",
+                         "configs/text_grpo_test.gin", "--config",
+                         "tb: JobConfig.policy = 'train_batch'; JobConfig.window = 8",
+                         "--config", "cp: JobConfig.policy = 'constraint_preserving'",
+                         "--repeats", "2", "--train_batches", "3", "--skip_train_batches", "1",
+                         "--json", str(out)], capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert list(r["configurations"]) == ["tb", "cp"] and r["skipped_steps"] > 0
+  for c in r["configurations"].values():
+    x = [run["traj_per_s"] for run in c["runs"]]
+    assert len(x) == 2 and all(v > 0 for v in x)
+    assert c["traj_per_s_min"] == min(x) <= c["traj_per_s_mean"] <= max(x) == c["traj_per_s_max"]
+  # The two settings give different staleness: the bindings reached the runs.
+  assert r["configurations"]["tb"]["runs"][0]["arch_staleness_mean"] != \
+      r["configurations"]["cp"]["runs"][0]["arch_staleness_mean"]
+  bad = subprocess.run([sys.executable, "scripts/bench_throughput.py", "--gin_file",
+                        "configs/text_grpo_test.gin", "--config", "no colon here",
+                        "--json", str(out)], capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "give 'NAME: binding" in bad.stderr

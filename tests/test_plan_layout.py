@@ -51,3 +51,22 @@ def test_remat_and_bfloat16_show_in_the_plan(tmp_path):
   assert h["params_bytes"] == b["params_bytes"] // 2
   assert h["saved_activation_bytes"] < b["saved_activation_bytes"]
   assert math.isclose(r["params_bytes"], b["params_bytes"])
+
+
+def test_the_step_forms_no_vocab_sized_logits_unless_asked(tmp_path):
+  dp = ("configs/mesh/dp.gin",)
+  chunked, printed = plan(tmp_path, "LossConfig.logprob_chunk = 32", mesh=dp)
+  assert chunked["logits_materialised"] is False and "chunked" in printed
+  p = chunked["layouts"]["dp"]
+  assert p == chunked["plans"][0] and p["peak_bytes"] > 0 and p["compile_s"] > 0
+  assert p["largest_vocab_activation"][1] == 32  # one chunk of 32 tokens at a time
+  out = tmp_path / "full.json"
+  proc = subprocess.run([sys.executable, "scripts/plan_layout.py", "--model",
+                         "configs/models/tiny_qwen2.gin", "--devices", "8", "--seq_len", "128",
+                         "--mesh", dp[0], "--full_logits", "--json", str(out)],
+                        capture_output=True, text=True, timeout=600, env={**os.environ, "XLA_FLAGS": ""})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  full = json.load(open(out))
+  assert full["logits_materialised"] is True and full["layouts"]["dp"]["largest_vocab_activation"][1] >= 127
+  # The whole logits cost temporaries the chunked step does not hold.
+  assert full["layouts"]["dp"]["micro_temp_bytes"] > p["micro_temp_bytes"]

@@ -132,3 +132,75 @@ def test_lag0_engine_vs_trainer_sums_by_hand():
   _, no_version = ppo_loss_sum(logits, batch, LossConfig())
   assert "fresh_tokens" not in no_version
   assert engine_vs_trainer(no_version)["logprob_abs_diff_max"] is None
+
+
+def _tiny_decoder(tie: bool):
+  from flax import nnx
+
+  from knittrans_jax.models import DecoderConfig, DecoderLM
+  cfg = DecoderConfig(vocab_size=96, width=32, depth=1, heads=2, mlp_width=64, tie_embeddings=tie)
+  with nnx.use_eager_sharding(False):
+    return DecoderLM(cfg, nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("tie,chunk", [(False, 4), (True, 5), (False, 64)])
+def test_chunked_logprobs_equal_the_full_ones_gradients_included(tie, chunk):
+  """The train step's log-probs from the hidden states in chunks (no [B, T, V] array)
+  equal those of the full logits, values and gradients, to float32 round-off; with
+  T - 1 = 15 predicted positions, chunks of 4 and 5 leave a padded last chunk."""
+  import jax
+  from flax import nnx
+
+  from knittrans_jax.rl.losses import chunked_token_logprobs
+  model = _tiny_decoder(tie)
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(0, 96, (3, 16)), jnp.int32)
+  mask = jnp.ones((3, 16), jnp.int32).at[2, 12:].set(0)
+  weights = jnp.asarray(rng.normal(size=(3, 16)), jnp.float32)
+
+  def full(p):
+    logits = nnx.merge(graphdef, p)(tokens, mask)
+    lp, ent = token_logprobs(logits / 0.7, tokens)
+    return jnp.sum(lp * weights) + jnp.sum(ent), (lp, ent)
+
+  def chunked(p):
+    hidden = nnx.merge(graphdef, p)(tokens, mask, hidden=True)
+    lp, ent = chunked_token_logprobs(hidden, tokens, 0.7, chunk)
+    return jnp.sum(lp * weights) + jnp.sum(ent), (lp, ent)
+
+  (v_full, (lp_f, ent_f)), g_full = jax.value_and_grad(full, has_aux=True)(params)
+  (v_chunk, (lp_c, ent_c)), g_chunk = jax.value_and_grad(chunked, has_aux=True)(params)
+  np.testing.assert_allclose(lp_c, lp_f, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(ent_c, ent_f, rtol=1e-5, atol=1e-5)
+  assert float(lp_c[0, 0]) == 0.0 and float(ent_c[0, 0]) == 0.0  # position 0 predicts nothing
+  np.testing.assert_allclose(v_chunk, v_full, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(g_chunk), jax.tree.leaves(g_full)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_chunked_loss_forms_no_vocab_sized_sequence_array():
+  """No activation in the gradient's program has both the sequence and the vocabulary
+  axes: at most one chunk's [B, chunk, V] logits exist."""
+  import jax
+  from flax import nnx
+
+  from knittrans_jax.train.program_arrays import largest_vocab_activation
+  from knittrans_jax.train.step import text_forward
+  model = _tiny_decoder(False)
+  graphdef, params = nnx.split(model, nnx.Param)
+  B, T, V, chunk = 2, 64, 96, 8
+  batch = {"tokens": jnp.zeros((B, T), jnp.int32), "attention_mask": jnp.ones((B, T), jnp.int32),
+           "loss_mask": jnp.ones((B, T), jnp.int32), "behaviour_logp": jnp.zeros((B, T)),
+           "advantages": jnp.ones((B,))}
+  cfg = LossConfig(logprob_chunk=chunk)
+
+  def loss(p):
+    return ppo_loss_sum(text_forward(nnx.merge(graphdef, p), batch), batch, cfg)[0]
+
+  def full(p):  # the logits path, for contrast
+    return ppo_loss_sum(nnx.merge(graphdef, p)(batch["tokens"], batch["attention_mask"]),
+                        batch, cfg)[0]
+
+  assert largest_vocab_activation(jax.grad(loss), params, vocab=V) == (B, chunk, V)
+  assert largest_vocab_activation(jax.grad(full), params, vocab=V) == (B, T, V)

@@ -33,7 +33,7 @@ STEPS, M, PER_STEP = 40, 4, 32  # 10 train batches of M = 4 mini-batches of g * 
 def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exact(tmp_path):
   work = tmp_path / "run"
   proc = start(work, "JobConfig.mode = 'synchronous'", "JobConfig.train_batches = 10",
-               "JobConfig.workers = 1",
+               "JobConfig.workers = 1", "EvalConfig.every_steps = 0",
                gin_file="configs/text_grpo_vllm.gin")
   deadline = time.time() + 120
   while not (work / "weights" / "LATEST").exists():  # the first weights: dispatch follows

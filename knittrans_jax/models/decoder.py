@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from knittrans_jax.models.layers import ATTENTION_IMPLS, Block, RMSNorm, Rope, _normal, dense, wide
+from knittrans_jax.models.layers import (ATTENTION_IMPLS, Block, Hidden, Projection, RMSNorm, Rope,
+                                         _normal, dense, wide)
 
 FAMILIES = ("toy", "qwen2", "qwen3", "llama")
 ROPE_TYPES = ("default", "llama3")
@@ -136,9 +137,23 @@ class DecoderLM(nnx.Module):
                        param_dtype=pdt))
 
   def _logits(self, x):
-    x = self.norm(x)
-    out = self.embed.attend(x) if self.head is None else self.head(x)
-    return out.astype(wide(x.dtype))
+    return self.project(self.norm(x))
+
+  def project(self, h):
+    """Final (normed) hidden states [..., width] -> logits [..., vocab], wide dtype."""
+    out = self.embed.attend(h) if self.head is None else self.head(h)
+    return out.astype(wide(h.dtype))
+
+  def projection(self) -> "Projection":
+    """The output head as a pure function of its own parameters: what the train step's
+    chunked log-probs call per chunk (rl/losses.chunked_token_logprobs), so no
+    [B, T, vocab] array is ever formed there."""
+    module = self.embed if self.head is None else self.head
+    graphdef, state = nnx.split(module)
+    if self.head is None:
+      return Projection(lambda st, h: nnx.merge(graphdef, st).attend(h).astype(wide(h.dtype)),
+                        state)
+    return Projection(lambda st, h: nnx.merge(graphdef, st)(h).astype(wide(h.dtype)), state)
 
   def _run_blocks(self, x, mask, positions):
     policy = REMAT_POLICIES[self.config.remat]
@@ -153,7 +168,9 @@ class DecoderLM(nnx.Module):
     return x
 
   def __call__(self, tokens, attention_mask, prefix=None, prefix_mask=None, *, positions=None,
-               embeds=None):
+               embeds=None, hidden: bool = False):
+    """hidden: return `Hidden` (the normed final states of the token positions and
+    the head) instead of the logits."""
     x = self.embed(tokens) if embeds is None else embeds
     valid = attention_mask.astype(bool)
     if prefix is not None:
@@ -170,6 +187,8 @@ class DecoderLM(nnx.Module):
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     x = self._run_blocks(x, mask, positions)
+    if hidden:
+      return Hidden(self.norm(x[:, P:]), self.projection())
     return self._logits(x[:, P:])
 
   # -- incremental decoding (the rollout sampler) -----------------------------

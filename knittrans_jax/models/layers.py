@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -21,6 +22,25 @@ _normal = nnx.initializers.normal(stddev=0.02)
 def wide(dtype) -> jnp.dtype:
   """The dtype for numerically sensitive math: float32, or float64 under x64 tests."""
   return jnp.promote_types(dtype, jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Projection:
+  """`apply(state, h)`: the output head with its parameters `state` passed in."""
+  apply: Callable
+  state: Any
+
+  def __call__(self, h):
+    return self.apply(self.state, h)
+
+
+@dataclasses.dataclass(frozen=True)
+class Hidden:
+  """What the decoder returns for the train step: the normed final hidden states
+  [B, T, width] and the projection to the vocabulary."""
+  states: jax.Array
+  project: Projection
+
 
 
 def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype,

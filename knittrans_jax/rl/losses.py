@@ -12,6 +12,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
+from knittrans_jax.models.layers import Hidden
+
 CORRECTIONS = ("none", "truncate", "mask")
 
 
@@ -37,6 +39,9 @@ class LossConfig:
   kl_coef: float = 0.0
   normalize_adv_std: bool = True
   temperature: float = 1.0  # must equal the sampler's: log-probs of logits / temperature
+  # Tokens per chunk of the chunked log-probs (a model that returns `Hidden`): one
+  # chunk's [B, chunk, vocab] logits exist at a time, forward and backward.
+  logprob_chunk: int = 256
   behaviour_correction: str = "none"
   is_low: float = 0.5
   is_high: float = 2.0
@@ -45,6 +50,8 @@ class LossConfig:
     if self.behaviour_correction not in CORRECTIONS:
       raise ValueError(f"LossConfig.behaviour_correction = {self.behaviour_correction!r}: use "
                        f"one of {CORRECTIONS}")
+    if not isinstance(self.logprob_chunk, int) or self.logprob_chunk <= 0:
+      raise ValueError(f"LossConfig.logprob_chunk = {self.logprob_chunk!r} must be a positive int")
     if not 0 < self.is_low <= 1 <= self.is_high:
       raise ValueError(f"LossConfig: is_low {self.is_low} and is_high {self.is_high} must "
                        "satisfy 0 < is_low <= 1 <= is_high")
@@ -63,6 +70,45 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax
   entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
   pad = jnp.zeros((tokens.shape[0], 1), dt)
   return jnp.concatenate([pad, logp], axis=1), jnp.concatenate([pad, entropy], axis=1)
+
+
+def chunked_token_logprobs(hidden: Hidden, tokens: jax.Array, temperature: float = 1.0,
+                           chunk: int = 256) -> tuple[jax.Array, jax.Array]:
+  """token_logprobs(project(states) / temperature, tokens) without the [B, T, V]
+  logits: the token axis is cut into chunks of `chunk` positions, mapped one at a
+  time (lax.map), each chunk's logits rematerialised in the backward pass
+  (jax.checkpoint), so at most one chunk's [B, chunk, V] exists. Same values to
+  round-off, gradients included (tests/test_rl_losses.py)."""
+  h, project = hidden.states, hidden.project
+  B, T, D = h.shape
+  n = T - 1  # positions 0..T-2 predict tokens 1..T-1
+  c = max(1, min(chunk, n))
+  k = -(-n // c)
+  pad = k * c - n
+  hs = jnp.pad(h[:, :-1], ((0, 0), (0, pad), (0, 0))).reshape(B, k, c, D).swapaxes(0, 1)
+  ts = jnp.pad(tokens[:, 1:], ((0, 0), (0, pad))).reshape(B, k, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(args):
+    hc, tc = args
+    logits = project(hc) / temperature
+    dt = jnp.promote_types(logits.dtype, jnp.float32)
+    logp_all = jax.nn.log_softmax(logits.astype(dt), axis=-1)
+    logp = jnp.take_along_axis(logp_all, tc[..., None], axis=-1)[..., 0]
+    return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+  logp, entropy = jax.lax.map(one, (hs, ts))  # [k, B, c] each
+  logp, entropy = (x.swapaxes(0, 1).reshape(B, k * c)[:, :n] for x in (logp, entropy))
+  zero = jnp.zeros((B, 1), logp.dtype)
+  return jnp.concatenate([zero, logp], axis=1), jnp.concatenate([zero, entropy], axis=1)
+
+
+def _logprobs(outputs, tokens, temperature: float, chunk: int):
+  """Per-token log-probs and entropies from a model's outputs: logits [B, T, V], or
+  `Hidden` (computed in chunks, no vocab-sized array)."""
+  if isinstance(outputs, Hidden):
+    return chunked_token_logprobs(outputs, tokens, temperature, chunk)
+  return token_logprobs(outputs / temperature, tokens)
 
 
 def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
@@ -91,8 +137,9 @@ def merge_sums(a: dict, b: dict) -> dict:
   return {k: jnp.maximum(a[k], b[k]) if k.startswith("max_") else a[k] + b[k] for k in a}
 
 
-def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, version=None):
+def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
   """Sum over masked tokens of the PPO loss, plus metric sums (all unnormalised).
+  `outputs`: the model's logits, or its `Hidden` states (chunked log-probs).
 
   Returning sums lets micro-batches and consumers be added up and divided once by
   the mini-batch's total token count: a true global token mean (`merge_sums`).
@@ -103,7 +150,7 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, version=Non
   |logp - behaviour_logp| summed and its maximum. At top_p < 1 that difference also
   holds the log of the nucleus's mass (the behaviour distribution is truncated).
   """
-  logp, entropy = token_logprobs(logits / config.temperature, batch["tokens"])
+  logp, entropy = _logprobs(outputs, batch["tokens"], config.temperature, config.logprob_chunk)
   mask = batch["loss_mask"].astype(logp.dtype)
   loss, ratio, clipped = ppo_token_terms(logp, batch["behaviour_logp"], batch["advantages"],
                                          config, batch.get("ref_logp"))
@@ -132,9 +179,9 @@ def ppo_loss_sum(logits: jax.Array, batch: dict, config: LossConfig, version=Non
   return sums["loss"], sums
 
 
-def nll_loss_sum(logits: jax.Array, batch: dict):
+def nll_loss_sum(outputs, batch: dict, chunk: int = 256):
   """Supervised objective (sum of -log p over masked tokens), for sanity runs."""
-  logp, _ = token_logprobs(logits, batch["tokens"])
+  logp, _ = _logprobs(outputs, batch["tokens"], 1.0, chunk)
   mask = batch["loss_mask"].astype(logp.dtype)
   loss = -jnp.sum(logp * mask)
   return loss, {"loss": loss, "tokens": jnp.sum(mask)}

@@ -31,7 +31,8 @@ from knittrans_jax.train.state import TrainState
 
 
 def text_forward(model, batch):
-  return model(batch["tokens"], batch["attention_mask"])
+  """The decoder's final hidden states and head (the loss projects them in chunks)."""
+  return model(batch["tokens"], batch["attention_mask"], hidden=True)
 
 
 class StepFunctions:
@@ -63,7 +64,7 @@ class StepFunctions:
     """(loss summed over the batch's loss tokens, metric sums); `version`: the
     parameters' policy version (the engine-vs-trainer sums, rl/losses.py)."""
     if self.objective == "nll":
-      return nll_loss_sum(logits, batch)
+      return nll_loss_sum(logits, batch, self.loss.logprob_chunk)
     return ppo_loss_sum(logits, batch, self.loss, version)
 
   def _micro(self, params, batch, total_tokens, version=None):
