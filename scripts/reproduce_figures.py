@@ -604,6 +604,9 @@ def runs_section(r) -> list[str]:
 
 
 def transfer_section(t) -> list[str]:
+  if any("prefetch_total_s" not in d for d in t.values()):  # numbers from before issue 29
+    return ["## Transfer", "", "Numbers from before the prefetching baseline: remake them with "
+            "`--only transfer`.", ""]
   lines = ["## Transfer: centralized baselines vs on-demand, end to end", "",
            "![transfer](transfer_latency.png)", "",
            "`python scripts/bench_transfer.py --workload text|vlm`. The headline is the total "
