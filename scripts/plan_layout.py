@@ -12,7 +12,9 @@ Parameters, optimizer state and the gradient accumulator are counted from their
 shardings (exact: the bytes each device holds); temporaries come from XLA's compiled
 memory analysis; `saved_act` is what autodiff keeps for the backward pass (where
 DecoderConfig.remat shows), divided over the batch shards. `peak` adds the resident
-state and the batch to the larger of the two steps' temporaries. `logits_materialised`:
+state and the batch to the larger of the two steps' temporaries; with LossConfig.kl_coef
+> 0 the resident state includes the reference policy's parameters (`reference_bytes`)
+and the micro step its forward pass. `logits_materialised`:
 whether the step's program (traced, not compiled) holds a [rows, seq_len, vocab]
 array; `largest_vocab_activation` is the biggest vocabulary-sized one it does hold
 (train/program_arrays.py). The step computes log-probs from the hidden states in
@@ -119,28 +121,34 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
   bsh = batch_shardings(mesh, mesh_cfg.rules, batch)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh[k]) for k, v in batch.items()}
   repl = replicated(mesh)
+  # With a KL term the step also holds the reference policy's parameters (sharded like
+  # the policy's) and runs its forward pass on every micro-batch.
+  ref = state.params if fns.needs_reference else None
   sums = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=repl),
-                      jax.eval_shape(lambda st, b: fns._micro(st.params, b, jnp.float32(1))[1],
-                                     state, batch))
+                      jax.eval_shape(lambda st, b, r: fns._micro(st.params, b, jnp.float32(1),
+                                                                 None, r)[1], state, batch, ref))
   n = jax.ShapeDtypeStruct((), jnp.float32, sharding=repl)
   vocab_shape = largest_vocab_activation(
-      lambda st, b: fns._micro(st.params, b, jnp.float32(1)), state, batch,
+      lambda st, b, r: fns._micro(st.params, b, jnp.float32(1), None, r), state, batch, ref,
       vocab=model_cfg.vocab_size)
   saved = saved_activation_bytes(fns, state.params, batch)
   if saved is not None:  # activations are split over the batch shards (at least)
     saved //= max(1, rows // max(1, _rows_per_shard(bsh["tokens"], rows)))
   t0 = time.perf_counter()
   try:
-    micro = fns.micro_jit(batch).lower(state, acc, sums, batch, n).compile()
+    micro = fns.micro_jit(batch, reference=ref is not None).lower(
+        state, acc, sums, batch, n, *([ref] if ref is not None else [])).compile()
     apply = fns.apply_step.lower(state, acc).compile()
   except Exception as e:  # noqa: BLE001  (XLA reports layout problems as runtime errors)
     return {**out, "error": f"{type(e).__name__}: {str(e)[:300]}"}
   compile_s = time.perf_counter() - t0
   m, a = micro.memory_analysis(), apply.memory_analysis()
-  resident = params_b + opt_b + grads_b
+  ref_b = params_b if ref is not None else 0
+  resident = params_b + opt_b + grads_b + ref_b
   n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(state.params))
   return {**out, "params": n_params, "params_bytes": params_b, "opt_state_bytes": opt_b,
-          "grad_acc_bytes": grads_b, "micro_temp_bytes": int(m.temp_size_in_bytes),
+          "grad_acc_bytes": grads_b, "reference_bytes": ref_b,
+          "micro_temp_bytes": int(m.temp_size_in_bytes),
           "apply_temp_bytes": int(a.temp_size_in_bytes),
           "batch_bytes": per_device(batch), "saved_activation_bytes": saved,
           "peak_bytes": resident + per_device(batch) + max(int(m.temp_size_in_bytes),
@@ -184,10 +192,10 @@ def main():
   ok = [p for p in plans if "error" not in p]
   big = max((p["peak_bytes"] for p in ok), default=0) >= 2**30
   unit, name = (2**30, "GiB") if big else (2**20, "MiB")
-  cols = ("params_bytes", "opt_state_bytes", "grad_acc_bytes", "saved_activation_bytes",
-          "micro_temp_bytes", "apply_temp_bytes", "peak_bytes")
-  print(f"{name} per device    params  opt_state  grad_acc  saved_act  micro_tmp  apply_tmp"
-        "       peak  compile_s  logits")
+  cols = ("params_bytes", "opt_state_bytes", "grad_acc_bytes", "reference_bytes",
+          "saved_activation_bytes", "micro_temp_bytes", "apply_temp_bytes", "peak_bytes")
+  print(f"{name} per device    params  opt_state  grad_acc  reference  saved_act  micro_tmp  "
+        "apply_tmp       peak  compile_s  logits")
   for p in plans:
     if "error" in p:
       print(f"{p['mesh']:<14} does not fit: {p['error']}")

@@ -77,9 +77,12 @@ def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
   """The job's workers are fed by the quota_aware dispatch: it learns each source's
   generation time from finished groups (one group per worker call, the long
   chain_long source of configs/text_grpo_tails.gin) and keeps every quota. The
-  current policy is evaluated on held-out prompts every 4 steps and after the last."""
+  current policy is evaluated on held-out prompts every 4 steps and after the last.
+  The loss has a KL term against the initial weights: 0 at the first step, where the
+  policy is the reference, and growing once it moves."""
   work = tmp_path / "run"
   finish(start(work, "JobConfig.dispatch = 'quota_aware'", "QuotaAware.min_samples = 2",
+               "LossConfig.kl_coef = 0.1",
                "TrainBatchSpec.source_quota = {'nearest': 3, 'count': 3, 'chain_long': 2}",
                "JobConfig.groups_per_call = 1",
                "EvalConfig.every_steps = 4", "EvalConfig.prompts_per_source = 4"))
@@ -95,6 +98,8 @@ def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
   # The initial policy too, and no evaluation prompt was a training prompt.
   assert set(summary["eval_start"]) == {"greedy", "sampled"}
   assert summary["eval_train_overlap"] == 0
+  kl = [r["kl"] for r in recs]  # the warmup's first update has learning rate 0
+  assert kl[0] == 0.0 and min(kl) >= 0 and kl[-1] > kl[2] > 0, kl
 
 
 @pytest.mark.parametrize("mode,policy,data_path", [

@@ -70,3 +70,12 @@ def test_the_step_forms_no_vocab_sized_logits_unless_asked(tmp_path):
   assert full["logits_materialised"] is True and full["layouts"]["dp"]["largest_vocab_activation"][1] >= 127
   # The whole logits cost temporaries the chunked step does not hold.
   assert full["layouts"]["dp"]["micro_temp_bytes"] > p["micro_temp_bytes"]
+
+
+def test_a_kl_reference_is_planned(tmp_path):
+  dp = ("configs/mesh/dp.gin",)
+  base, _ = plan(tmp_path, "LossConfig.logprob_chunk = 32", mesh=dp)
+  kl, printed = plan(tmp_path, "LossConfig.logprob_chunk = 32", "LossConfig.kl_coef = 0.1", mesh=dp)
+  b, k = base["layouts"]["dp"], kl["layouts"]["dp"]
+  assert b["reference_bytes"] == 0 and k["reference_bytes"] == k["params_bytes"]
+  assert k["peak_bytes"] >= b["peak_bytes"] + k["params_bytes"] and "reference" in printed

@@ -120,3 +120,51 @@ def test_bad_batches_are_named(change, message):
 def test_rows_must_split_over_shards():
   with pytest.raises(BadBatchError, match="12 rows does not split over 8"):
     check_batch(random_batch(np.random.default_rng(5), B=12), CFG.vocab_size, rows_multiple=8)
+
+
+def test_kl_against_a_reference_policy_by_hand():
+  """With kl_coef > 0 the step computes the reference's log-probs from `ref` itself
+  and adds kl_coef x k3 per token: the metric, the loss and the gradient equal the
+  same objective composed by hand from full logits with the reference log-probs
+  given; without a reference it is an error, not a silently dropped term."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from knittrans_jax.rl import LossConfig, ppo_loss_sum, token_logprobs
+  cfg = LossConfig(kl_coef=0.3)
+  fns, state = build("dp", loss=cfg)
+  rng = np.random.default_rng(3)
+  batch = random_batch(rng, B=8)
+  total = float(batch["loss_mask"].sum())
+  # A reference that differs from the policy.
+  ref = jax.tree.map(lambda x: x + 0.05 * jnp.asarray(rng.normal(size=x.shape), x.dtype),
+                     state.params)
+  acc, sums = fns.micro_step(state, fns.zero_grads(state.params),
+                             fns.zero_sums(state, batch, ref), batch, total, ref)
+
+  def logp(params):
+    logits = nnx.merge(fns.graphdef, params)(jnp.asarray(batch["tokens"]),
+                                             jnp.asarray(batch["attention_mask"]))
+    return logits, token_logprobs(logits, jnp.asarray(batch["tokens"]))[0]
+
+  _, ref_logp = logp(ref)
+  _, pol_logp = logp(state.params)
+  d = ref_logp - pol_logp
+  k3 = float(jnp.sum((jnp.exp(d) - d - 1.0) * batch["loss_mask"]))
+  assert k3 > 0 and float(sums["kl"]) == pytest.approx(k3, rel=1e-4)
+  hand = {**{k: jnp.asarray(v) for k, v in batch.items()}, "ref_logp": ref_logp}
+
+  def objective(params):
+    return ppo_loss_sum(logp(params)[0], hand, cfg)[0] / total
+
+  want = jax.grad(objective)(state.params)
+  assert _max_rel(to_numpy(acc), to_numpy(want)) < 1e-4
+  no_kl, _ = build("dp")
+  _, base = no_kl.micro_step(state, no_kl.zero_grads(state.params), no_kl.zero_sums(state, batch),
+                             batch, total)
+  assert float(sums["loss"]) - float(base["loss"]) == pytest.approx(0.3 * k3, rel=1e-3)
+  with pytest.raises(ValueError, match="kl_coef = 0.3 needs a reference policy"):
+    fns.micro_step(state, fns.zero_grads(state.params), fns.zero_sums(state, batch), batch, total)
+  with pytest.raises(ValueError, match="kl_coef = 0 does not use it"):
+    no_kl.micro_step(state, no_kl.zero_grads(state.params), no_kl.zero_sums(state, batch), batch,
+                     total, ref)

@@ -10,7 +10,8 @@ from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, ini
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)
 
 
-def build(layout: str, objective: str = "ppo", lr: float = 1e-3, seed: int = 0):
+def build(layout: str, objective: str = "ppo", lr: float = 1e-3, seed: int = 0,
+          loss: LossConfig | None = None):
   gin.clear_config()
   gin.parse_config_file(f"configs/mesh/{layout}.gin")
   mesh_cfg = MeshConfig()
@@ -19,7 +20,7 @@ def build(layout: str, objective: str = "ppo", lr: float = 1e-3, seed: int = 0):
   tx = make_optimizer(OptimizerConfig(learning_rate=lr))
   graphdef, state, shardings = init_train_state(lambda r: DecoderLM(CFG, r), tx, mesh,
                                                 mesh_cfg.rules, seed)
-  fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, mesh_cfg.rules,
+  fns = StepFunctions(graphdef, shardings, tx, loss or LossConfig(), mesh, mesh_cfg.rules,
                       objective=objective)
   return fns, state
 

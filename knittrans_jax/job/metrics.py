@@ -93,6 +93,7 @@ class MetricsLog:
                              for s in counts},
         "loss": sums.get("loss", 0.0) / tokens, "entropy": sums.get("entropy", 0.0) / tokens,
         "clip_frac": sums.get("clip_frac", 0.0) / tokens, "grad_norm": grad_norm,
+        **({"kl": sums["kl"] / tokens} if "kl" in sums else {}),  # k3, against the reference
         **engine_vs_trainer(sums),
         "arch_staleness_mean": float(np.mean(np.maximum(arch, 0))),
         "trajectories": len(metas), "source_counts": dict(counts), "arch": arch,

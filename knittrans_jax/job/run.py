@@ -31,6 +31,7 @@ import sys
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from tqdm import tqdm
@@ -290,6 +291,9 @@ class Job:
                else naive_vlm_forward() if self.vision else text_forward)
     fns = StepFunctions(graphdef, shardings, tx, self.loss_cfg, self.mesh, self.rules,
                         forward=forward)
+    # The KL term's reference: a frozen copy of the initial (or loaded) weights, taken
+    # before any checkpoint is restored, so a resumed run keeps the same reference.
+    reference = jax.tree.map(jnp.copy, state.params) if fns.needs_reference else None
     self.rows_multiple = rows_multiple(self.mesh, self.rules)
     if cfg.micro_batch_size % self.rows_multiple:
       raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size} does not split over "
@@ -323,7 +327,7 @@ class Job:
         encode_once=EncodeOnceStep(fns, EncodeOnceConfig(), path=path) if encode_once else None,
         vision=self.vision, version=version, quarantine=self.quarantine, checkpointer=self.ckpt,
         publisher=WeightPublisher(self.workdir, process=self.process, version=version),
-        process=self.process, processes=self.processes)
+        process=self.process, processes=self.processes, reference=reference)
     return trainer, progress
 
   def _check_rows_per_process(self) -> None:

@@ -114,7 +114,17 @@ class Trainer:
                encode_once: EncodeOnceStep | None = None, vision: bool = False,
                version: int | None = None, quarantine=None,
                checkpointer: Checkpointer | None = None, publisher=None,
-               process: int = 0, processes: int = 1, log: Callable[[str], None] = print):
+               process: int = 0, processes: int = 1, log: Callable[[str], None] = print,
+               reference=None):
+    """reference: the frozen parameters of the KL term's reference policy (needed,
+    and only allowed, when the loss has LossConfig.kl_coef > 0)."""
+    if fns.needs_reference and reference is None:
+      raise ValueError(f"LossConfig.kl_coef = {fns.loss.kl_coef}: the trainer needs the reference "
+                       "policy's parameters (`reference`); the job passes its initial ones")
+    if reference is not None and encode_once is not None:
+      raise ValueError("LossConfig.kl_coef > 0 with the encode-once VLM step is not built yet; "
+                       "set kl_coef = 0 or EncodeOnceConfig off")
+    self.reference = reference
     self.fns, self.state, self.layout, self.mine = fns, state, layout, list(mine)
     self.encode_once, self.vision = encode_once, vision
     self.quarantine, self.checkpointer, self.publisher = quarantine, checkpointer, publisher
@@ -192,8 +202,8 @@ class Trainer:
       for _ in range(work.num_micro_batches):
         batch = self._take()
         if sums is None:
-          sums = fns.zero_sums(self.state, batch)
-        grads, sums = fns.micro_step(self.state, grads, sums, batch, total)
+          sums = fns.zero_sums(self.state, batch, self.reference)
+        grads, sums = fns.micro_step(self.state, grads, sums, batch, total, self.reference)
         self._last = sums
     self._report_quarantine()
     if not apply:

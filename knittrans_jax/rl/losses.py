@@ -111,6 +111,11 @@ def _logprobs(outputs, tokens, temperature: float, chunk: int):
   return token_logprobs(outputs / temperature, tokens)
 
 
+def logprobs_of(outputs, tokens, config: LossConfig):
+  """(log-probs, entropies) [B, T] of a model's outputs as the loss computes them."""
+  return _logprobs(outputs, tokens, config.temperature, config.logprob_chunk)
+
+
 def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
                     config: LossConfig, ref_logp: jax.Array | None = None):
   """Per-token loss terms (to be summed under the mask) and the clip indicator."""
@@ -150,7 +155,7 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
   |logp - behaviour_logp| summed and its maximum. At top_p < 1 that difference also
   holds the log of the nucleus's mass (the behaviour distribution is truncated).
   """
-  logp, entropy = _logprobs(outputs, batch["tokens"], config.temperature, config.logprob_chunk)
+  logp, entropy = logprobs_of(outputs, batch["tokens"], config)
   mask = batch["loss_mask"].astype(logp.dtype)
   loss, ratio, clipped = ppo_token_terms(logp, batch["behaviour_logp"], batch["advantages"],
                                          config, batch.get("ref_logp"))
@@ -165,6 +170,9 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
       # (r - 1)^2, not r^2: its sum keeps the spread of ratios near 1 in float32.
       "ratio_dev_sq": jnp.sum(jnp.square(ratio - 1.0) * mask),
   }
+  if config.kl_coef and "ref_logp" in batch:  # the k3 estimate of KL(policy || reference)
+    d = batch["ref_logp"] - logp
+    sums["kl"] = jnp.sum((jnp.exp(d) - d - 1.0) * mask)
   if config.behaviour_correction != "none":
     corrected = ratio > config.is_high
     if config.behaviour_correction == "mask":
