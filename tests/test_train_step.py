@@ -168,3 +168,29 @@ def test_kl_against_a_reference_policy_by_hand():
   with pytest.raises(ValueError, match="kl_coef = 0 does not use it"):
     no_kl.micro_step(state, no_kl.zero_grads(state.params), no_kl.zero_sums(state, batch), batch,
                      total, ref)
+
+
+def test_activations_are_constrained_by_the_layouts_logical_rules():
+  """The mesh file's activation rules reach the compiled step: under fsdp_tp the
+  attention heads, the MLP's hidden units and the logits' vocabulary are split over
+  'tensor' and every block's output over 'fsdp' by batch; the model called outside
+  a train step is not constrained at all."""
+  import re
+
+  import jax.numpy as jnp
+  from flax import nnx
+  fns, state = build("fsdp_tp")
+  batch = random_batch(np.random.default_rng(0), B=8)
+  text = fns.micro_jit(batch).lower(state, fns.zero_grads(state.params), fns.zero_sums(state, batch),
+                                    batch, jnp.float32(1)).as_text()
+  found = re.findall(r"sdy\.sharding_constraint %\S+ <@mesh, (\[.*?\])> : tensor<([0-9x]+)x", text)
+  specs = {(spec, shape) for spec, shape in found}
+  # CFG: 4 heads of 8, MLP 64 wide, width 32, vocabulary 64; 24 tokens, 23 predicted.
+  assert ('[{"fsdp"}, {}, {"tensor"}, {}]', "8x24x4x8") in specs  # q, k, v
+  assert ('[{"fsdp"}, {}, {"tensor"}]', "8x24x64") in specs  # the MLP's hidden units
+  assert ('[{"fsdp"}, {}, {"tensor"}]', "8x23x64") in specs  # a chunk of logits
+  assert ('[{"fsdp"}, {}, {}]', "8x24x32") in specs  # a block's output (the residual stream)
+  model = nnx.merge(fns.graphdef, state.params)
+  plain = jax.jit(lambda t, m: model(t, m)).lower(jnp.asarray(batch["tokens"]),
+                                                  jnp.asarray(batch["attention_mask"])).as_text()
+  assert "sharding_constraint" not in plain

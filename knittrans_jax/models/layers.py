@@ -4,11 +4,19 @@ Logical axes: 'vocab', 'embed' (model width), 'heads' (attention heads x head di
 'mlp' (feed-forward width), 'patch' (flattened image patch), 'head_dim' (one
 head's width: q/k norm scales, left replicated by every layout). Mesh layouts map them
 to mesh axes (configs/mesh/*.gin, knittrans_jax/train/mesh.py).
+
+Activations carry logical names too (MaxText's convention): 'activation_batch',
+'activation_length', 'activation_embed', 'activation_heads', 'activation_mlp',
+'activation_vocab'. `constrain` pins an activation to its layout's sharding while a
+train step traces under `activation_sharding(mesh, rules)` (train/step.py); anywhere
+else (the sampler, tests calling a model directly) it is the identity.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import threading
 from typing import Any, Callable
 
 import jax
@@ -17,6 +25,31 @@ import jax.numpy as jnp
 from flax import nnx
 
 _normal = nnx.initializers.normal(stddev=0.02)
+_ACTIVATIONS = threading.local()  # (mesh, rules) while a train step traces
+
+
+@contextlib.contextmanager
+def activation_sharding(mesh, rules):
+  """Within: `constrain` maps activations' logical axes to `mesh` by `rules`."""
+  before = getattr(_ACTIVATIONS, "value", None)
+  _ACTIVATIONS.value = (mesh, list(rules))
+  try:
+    yield
+  finally:
+    _ACTIVATIONS.value = before
+
+
+def constrain(x, *axes):
+  """x with the sharding its logical axes (one per dimension) get from the active
+  layout's rules; the identity outside `activation_sharding`."""
+  active = getattr(_ACTIVATIONS, "value", None)
+  if active is None:
+    return x
+  from flax import linen as nn  # the logical-axis rules engine (as MaxText uses it)
+  from jax.sharding import NamedSharding
+  mesh, rules = active
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, nn.logical_to_mesh_axes(axes, rules)))
 
 
 def wide(dtype) -> jnp.dtype:
@@ -151,9 +184,10 @@ class Attention(nnx.Module):
 
   def _qkv(self, x, positions):
     B, T, _ = x.shape
-    q = self.q(x).reshape(B, T, self.heads, self.head_dim)
-    k = self.k(x).reshape(B, T, self.kv_heads, self.head_dim)
-    v = self.v(x).reshape(B, T, self.kv_heads, self.head_dim)
+    heads = ("activation_batch", "activation_length", "activation_heads", None)
+    q = constrain(self.q(x).reshape(B, T, self.heads, self.head_dim), *heads)
+    k = constrain(self.k(x).reshape(B, T, self.kv_heads, self.head_dim), *heads)
+    v = constrain(self.v(x).reshape(B, T, self.kv_heads, self.head_dim), *heads)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
     if self.inv_freq is not None:
@@ -206,7 +240,9 @@ class MLP(nnx.Module):
     self.down = dense(rngs, hidden, dim, ("mlp", "embed"), dtype, param_dtype=param_dtype)
 
   def __call__(self, x):
-    return self.down(jax.nn.silu(self.gate(x)) * self.up(x))
+    h = constrain(jax.nn.silu(self.gate(x)) * self.up(x),
+                  "activation_batch", "activation_length", "activation_mlp")
+    return self.down(h)
 
 
 class Block(nnx.Module):
@@ -228,4 +264,5 @@ class Block(nnx.Module):
     if self.dropout is not None:
       h = self.dropout(h)
     x = x + h
-    return x + self.mlp(self.norm2(x)), kv
+    out = x + self.mlp(self.norm2(x))
+    return constrain(out, "activation_batch", "activation_length", "activation_embed"), kv

@@ -12,7 +12,7 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from knittrans_jax.models.layers import Hidden
+from knittrans_jax.models.layers import Hidden, constrain
 
 CORRECTIONS = ("none", "truncate", "mask")
 
@@ -91,7 +91,8 @@ def chunked_token_logprobs(hidden: Hidden, tokens: jax.Array, temperature: float
   @jax.checkpoint
   def one(args):
     hc, tc = args
-    logits = project(hc) / temperature
+    logits = constrain(project(hc), "activation_batch", "activation_length",
+                       "activation_vocab") / temperature
     dt = jnp.promote_types(logits.dtype, jnp.float32)
     logp_all = jax.nn.log_softmax(logits.astype(dt), axis=-1)
     logp = jnp.take_along_axis(logp_all, tc[..., None], axis=-1)[..., 0]

@@ -29,7 +29,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from knittrans_jax.models.layers import wide
+from knittrans_jax.models.layers import activation_sharding, wide
 from knittrans_jax.rl.losses import LossConfig, logprobs_of, merge_sums, nll_loss_sum, ppo_loss_sum
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import replicated
@@ -89,6 +89,11 @@ class StepFunctions:
     return jax.lax.stop_gradient(logprobs_of(out, batch["tokens"], self.loss)[0])
 
   def _micro(self, params, batch, total_tokens, version=None, ref=None):
+    # Traced under the layout's activation rules: the model's `constrain` calls apply.
+    with activation_sharding(self.mesh, self.rules):
+      return self._micro_traced(params, batch, total_tokens, version, ref)
+
+  def _micro_traced(self, params, batch, total_tokens, version, ref):
     if ref is not None:
       batch = {**batch, "ref_logp": self.reference_logp(ref, batch)}
 
