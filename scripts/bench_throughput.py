@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,27 +68,30 @@ def main():
   tmp = tempfile.mkdtemp(prefix="bench_throughput_")
   runs = {name: [] for name in configs}
   skip = None
-  with tqdm(total=args.repeats * len(configs), desc="runs", unit="run") as bar:
-    for rep in range(args.repeats):
-      for name, bindings in configs.items():
-        wd = os.path.join(tmp, f"config{list(configs).index(name)}_run{len(runs[name])}")
-        cmd = [sys.executable, "scripts/train.py", "--gin_file", args.gin_file, "--workdir", wd,
-               "--overwrite", "--gin_bindings", f"JobConfig.train_batches = {args.train_batches}",
-               "--gin_bindings", "EvalConfig.every_steps = 0"]
-        for b in bindings:
-          cmd += ["--gin_bindings", b]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "JAX_PLATFORMS": "cpu"})
-        if proc.returncode:
-          raise RuntimeError(f"{name} (repeat {rep}) failed:\n{proc.stderr[-3000:]}")
-        with open(os.path.join(wd, "summary.json")) as f:
-          summary = json.load(f)
-        per_batch = summary["steps"] // args.train_batches
-        skip = args.skip_train_batches * per_batch
-        runs[name].append({"traj_per_s": steady_traj_per_s(wd, skip),
-                           "arch_staleness_mean": summary["arch_staleness_mean"],
-                           "wall_s": summary["wall_s"]})
-        bar.update()
+  try:  # every run's workdir (store, checkpoints) goes when the benchmark ends
+    with tqdm(total=args.repeats * len(configs), desc="runs", unit="run") as bar:
+      for rep in range(args.repeats):
+        for name, bindings in configs.items():
+          wd = os.path.join(tmp, f"config{list(configs).index(name)}_run{len(runs[name])}")
+          cmd = [sys.executable, "scripts/train.py", "--gin_file", args.gin_file, "--workdir", wd,
+                 "--overwrite", "--gin_bindings", f"JobConfig.train_batches = {args.train_batches}",
+                 "--gin_bindings", "EvalConfig.every_steps = 0"]
+          for b in bindings:
+            cmd += ["--gin_bindings", b]
+          proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                                env={**os.environ, "JAX_PLATFORMS": "cpu"})
+          if proc.returncode:
+            raise RuntimeError(f"{name} (repeat {rep}) failed:\n{proc.stderr[-3000:]}")
+          with open(os.path.join(wd, "summary.json")) as f:
+            summary = json.load(f)
+          per_batch = summary["steps"] // args.train_batches
+          skip = args.skip_train_batches * per_batch
+          runs[name].append({"traj_per_s": steady_traj_per_s(wd, skip),
+                             "arch_staleness_mean": summary["arch_staleness_mean"],
+                             "wall_s": summary["wall_s"]})
+          bar.update()
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
   out = {"gin_file": args.gin_file, "train_batches": args.train_batches, "skipped_steps": skip,
          "repeats": args.repeats, "cpu_count": os.cpu_count(), "configurations": {}}
   for name, rs in runs.items():
