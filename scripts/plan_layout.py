@@ -203,6 +203,7 @@ def main():
     print(f"{p['mesh']:<14}" + "".join(_fmt(p[c] or 0, unit) + " " for c in cols) +
           f"{p['compile_s']:9.1f}  {'[B,T,V]' if p['logits_materialised'] else 'chunked'}")
   if args.json:
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as f:
       json.dump({"model": args.model, "devices": args.devices, "rows": rows,
                  "seq_len": args.seq_len, "bindings": args.gin_bindings,

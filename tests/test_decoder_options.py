@@ -76,3 +76,56 @@ def test_bad_configs_name_the_field():
     DecoderConfig(**{**BASE, "remat": "some"})
   with pytest.raises(ValueError, match=r"DecoderConfig.attention = 'flash' is not one of"):
     DecoderConfig(**{**BASE, "attention": "flash"})
+
+
+def stacked_copy(model, **kw):
+  """A scan_layers model holding `model`'s parameters, each block's stacked."""
+  from knittrans_jax.models import scan
+  with nnx.use_eager_sharding(False):
+    out = DecoderLM(DecoderConfig(**{**BASE, "scan_layers": True, **kw}), nnx.Rngs(0))
+  mine = {p: get() for p, _, get in scan.layer_entries(nnx.state(model, nnx.Param))}
+  flat = []
+  for path, v in nnx.to_flat_state(nnx.state(out, nnx.Param)):
+    if scan.is_stacked(path):
+      flat.append((path, v.replace(jnp.stack([mine[("blocks", i) + tuple(path[1:])]
+                                              for i in range(BASE["depth"])]))))
+    else:
+      flat.append((path, v.replace(mine[tuple(path)])))
+  nnx.update(out, nnx.from_flat_state(flat))
+  return out
+
+
+@pytest.mark.parametrize("remat", ["none", "full", "dots"])
+def test_scanned_layers_same_loss_gradients_and_decoding(remat):
+  """scan_layers: one lax.scan over stacked blocks (models/scan.py), each remat policy:
+  the unscanned model's loss, per-layer gradients and KV-cache decoding."""
+  from knittrans_jax.models import scan
+  with nnx.use_eager_sharding(False):
+    plain = DecoderLM(DecoderConfig(**BASE), nnx.Rngs(0))
+  scanned = stacked_copy(plain, remat=remat)
+  tokens, mask = batch()
+
+  def value_and_grads(model):
+    graphdef, params = nnx.split(model, nnx.Param)
+
+    def loss(p):
+      logits = nnx.merge(graphdef, p)(tokens, mask)
+      return jnp.sum(jax.nn.log_softmax(logits)[..., 0] * mask)
+    value, grads = jax.jit(jax.value_and_grad(loss))(params)
+    return value, {p: np.asarray(get()) for p, _, get in scan.layer_entries(grads)}
+  (l0, g0), (l1, g1) = value_and_grads(plain), value_and_grads(scanned)
+  np.testing.assert_allclose(l1, l0, rtol=1e-6)
+  assert sorted(g0) == sorted(g1) and any(p[0] == "blocks" and p[1] == 2 for p in g1)
+  for p in g0:
+    np.testing.assert_allclose(g1[p], g0[p], rtol=1e-5, atol=1e-5 * float(np.abs(g0[p]).max()),
+                               err_msg=str(p))
+  P = 6
+  (la, ca), (lb, cb) = (m.prefill(tokens[:, :P], mask[:, :P], capacity=10)
+                        for m in (plain, scanned))
+  assert cb[0].shape == (BASE["depth"], 2, 10, 2, 16)  # one stacked (k, v)
+  np.testing.assert_allclose(lb, la, rtol=1e-5, atol=1e-5)
+  key_valid = jnp.concatenate([mask[:, :P], jnp.ones((2, 1), bool), jnp.zeros((2, 3), bool)], 1)
+  position = jnp.sum(mask[:, :P], axis=1).astype(jnp.int32)
+  (da, _), (db, _) = (m.decode_step(tokens[:, P], position, c, P, key_valid)
+                      for m, c in ((plain, ca), (scanned, cb)))
+  np.testing.assert_allclose(db, da, rtol=1e-5, atol=1e-5)

@@ -79,6 +79,42 @@ def test_save_loads_in_transformers_to_the_same_logits(family, tmp_path):
   assert rel_err(ours, torch_logits(reloaded, tokens, mask), mask) <= 1e-5
 
 
+
+def test_scanned_layers_load_decode_and_export_exactly(family, tmp_path):
+  """DecoderConfig.scan_layers: the blocks as one stacked module run by lax.scan. The
+  same checkpoint loads into it on the sharded mesh to the unscanned model's logits,
+  decodes as transformers does, and exports tensor for tensor what was loaded."""
+  name, path, theirs = family
+  mesh = make_mesh(FSDP_TP)
+  model, config = hf.load(path, mesh=mesh, rules=FSDP_TP.rules, scan_layers=True, remat="full")
+  leaf = nnx.state(model, nnx.Param)["blocks"]["attn"]["q"]["kernel"].get_value()
+  assert leaf.shape[0] == config.depth and not leaf.sharding.is_fully_replicated
+  assert leaf.sharding.spec[0] is None  # the layer axis is never split
+  tokens, mask = padded_batch()
+  ours = np.asarray(model(jnp.asarray(tokens), jnp.asarray(mask)))
+  plain = np.asarray(hf.load(path, mesh=mesh, rules=FSDP_TP.rules)[0](jnp.asarray(tokens),
+                                                                     jnp.asarray(mask)))
+  assert rel_err(ours, plain, mask) <= 1e-6
+  assert rel_err(ours, torch_logits(theirs, tokens, mask), mask) <= 1e-4
+  graphdef, params = nnx.split(model)
+  prompts = [np.array([5, 9, 14, 3, 22], np.int32), np.array([7, 41, 8], np.int32)]
+  cfg = SamplerConfig(max_new_tokens=8, greedy=True, stop_tokens=())
+  scanned = [t for t, _ in generate(graphdef, params, prompts, jax.random.key(0), cfg)]
+  unscanned = [t for t, _ in generate(*nnx.split(hf.load(path)[0]), prompts, jax.random.key(0),
+                                      cfg)]
+  for a, b in zip(scanned, unscanned):
+    np.testing.assert_array_equal(a, b)
+  out = str(tmp_path / "export")
+  hf.save(model, config, out)
+  from safetensors.numpy import load_file
+  src, dst = load_file(os.path.join(path, "model.safetensors")), load_file(
+      os.path.join(out, "model.safetensors"))
+  if config.tie_embeddings:  # transformers may write the tied head; we do not
+    src.pop("lm_head.weight", None)
+  assert sorted(src) == sorted(dst)
+  for k in src:
+    np.testing.assert_array_equal(src[k], dst[k], err_msg=k)
+
 def test_sharded_save_and_bfloat16_round_trip(tmp_path):
   src = str(tmp_path / "src")
   theirs = make_checkpoint("qwen3", src, seed=3, dtype=torch.bfloat16)
@@ -161,7 +197,9 @@ def test_model_configs_have_the_released_parameter_counts(name, count):
   abstract = hf.abstract_model(config)
   n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(abstract, nnx.Param)))
   assert n == count
-  assert hf.config_from_hf(hf.config_to_hf(config, "bfloat16")) == config
+  assert config.scan_layers  # a run-time choice, not in config.json
+  back = hf.config_from_hf(hf.config_to_hf(config, "bfloat16"), scan_layers=True)
+  assert back == config
 
 
 @pytest.mark.slow

@@ -109,6 +109,31 @@ def test_logits_match_transformers(families, family):
   assert miss > 1e-2
 
 
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_scanned_layers_match_and_export_the_same_tensors(families, family, tmp_path):
+  """scan_layers (decoder and vision tower, Qwen2.5-VL's full-attention layer a branch
+  of the scan): transformers' logits, and a save that transformers loads tensor for
+  tensor equal to the checkpoint."""
+  path, theirs, _ = families[family]
+  model, config = qwen_vl.load(path, mesh=make_mesh(FSDP_TP), rules=FSDP_TP.rules,
+                               scan_layers=True)
+  assert config.text.scan_layers and config.vision.scan_layers
+  ids, mask, pv, grid = prompts()
+  pos, _ = qwen_vl.mrope_positions(ids, grid, model.config, mask)
+  static = tuple(map(tuple, grid.tolist()))
+  ours = np.asarray(nnx.jit(lambda m, t, a, x, p: m(t, a, x, static, positions=p))(
+      model, jnp.asarray(ids, jnp.int32), jnp.asarray(mask), pv, pos))
+  with torch.no_grad():
+    want = theirs(**their_inputs(ids, mask, pv, grid)).logits.numpy()
+  valid = mask.astype(bool)
+  assert rel_err(ours[valid], want[valid]) <= 1e-4
+  out = str(tmp_path / "export")
+  qwen_vl.save(model, out, like=path)
+  back = FAMILIES[family][1].from_pretrained(out).state_dict()
+  for name, w in theirs.state_dict().items():
+    torch.testing.assert_close(back[name], w, rtol=0, atol=0, msg=name)
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_greedy_decoding_matches_transformers_generate(families, family):
   """prefill + decode_step as the sampler drives them: left-padded prompts, cache

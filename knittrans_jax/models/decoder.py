@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from knittrans_jax.models import scan as layer_scan
 from knittrans_jax.models.layers import (ATTENTION_IMPLS, Block, Hidden, Projection, RMSNorm, Rope,
                                          _normal, dense, wide)
 
@@ -35,6 +36,9 @@ class DecoderConfig:
   `family` names the Hugging Face format `hf.save` writes ('toy' is written as Llama).
   `mrope_section` (Qwen2-VL's M-RoPE, e.g. (16, 24, 24), summing to head dim / 2) lets
   the forward take (temporal, height, width) positions [3, B, T]; empty is plain RoPE.
+  `scan_layers` holds the blocks as one stack (a leading 'layers' axis on each
+  parameter) run by one lax.scan (models/scan.py): the same values, a compile time
+  that does not grow with depth; the real-model configs (configs/models/) set it.
   """
   vocab_size: int = 256
   width: int = 128
@@ -60,6 +64,7 @@ class DecoderConfig:
   attention: str = "einsum"
   family: str = "toy"
   mrope_section: tuple[int, ...] = ()
+  scan_layers: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "mrope_section", tuple(self.mrope_section))  # gin gives lists
@@ -125,12 +130,14 @@ class DecoderLM(nnx.Module):
     self.embed = nnx.Embed(config.vocab_size, config.width, dtype=dt, param_dtype=pdt,
                            embedding_init=nnx.with_partitioning(_normal, ("vocab", "embed")),
                            rngs=rngs)
-    self.blocks = nnx.List([
-        Block(config.width, config.heads, config.mlp_width, rngs, dt, config.rope,
-              norm_eps=config.norm_eps, param_dtype=pdt, kv_heads=config.num_kv_heads,
-              head_dim=config.dim_per_head, qkv_bias=config.qkv_bias, qk_norm=config.qk_norm,
-              impl=config.attention)
-        for _ in range(config.depth)])
+
+    def block(r):
+      return Block(config.width, config.heads, config.mlp_width, r, dt, config.rope,
+                   norm_eps=config.norm_eps, param_dtype=pdt, kv_heads=config.num_kv_heads,
+                   head_dim=config.dim_per_head, qkv_bias=config.qkv_bias,
+                   qk_norm=config.qk_norm, impl=config.attention)
+    self.blocks = (layer_scan.stack(block, config.depth, rngs) if config.scan_layers else
+                   nnx.List([block(rngs) for _ in range(config.depth)]))
     self.norm = RMSNorm(config.width, config.norm_eps, param_dtype=pdt)
     self.head = (None if config.tie_embeddings else
                  dense(rngs, config.width, config.vocab_size, ("embed", "vocab"), dt,
@@ -157,6 +164,10 @@ class DecoderLM(nnx.Module):
 
   def _run_blocks(self, x, mask, positions):
     policy = REMAT_POLICIES[self.config.remat]
+    if self.config.scan_layers:
+      x, _ = layer_scan.scan(self.blocks, lambda blk, h, _: (blk(h, mask, positions)[0], None),
+                             x, policy=policy, remat=self.config.remat != "none")
+      return x
     if self.config.remat == "none":
       for block in self.blocks:
         x, _ = block(x, mask, positions)
@@ -194,7 +205,8 @@ class DecoderLM(nnx.Module):
   # -- incremental decoding (the rollout sampler) -----------------------------
   def prefill(self, tokens, valid, capacity: int, prefix=None, *, positions=None, embeds=None):
     """Runs the prompt; returns the last position's logits and a KV cache of
-    `capacity` positions per layer. Prompts are left-padded (`valid` False on pads).
+    `capacity` positions per layer (a list of (k, v), or one stacked (k, v) with
+    scan_layers). Prompts are left-padded (`valid` False on pads).
     A prefix [B, Q, width] (image embeddings) fills cache slots 0..Q-1, as in training.
     `positions` and `embeds` as in __call__."""
     x = self.embed(tokens) if embeds is None else embeds
@@ -205,11 +217,19 @@ class DecoderLM(nnx.Module):
     mask = jnp.tril(jnp.ones((T, T), bool))[None] & valid[:, None, :]
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
-    caches = []
-    for block in self.blocks:
-      x, (k, v) = block(x, mask, positions)
-      pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
-      caches.append((jnp.pad(k, pad), jnp.pad(v, pad)))
+    pad = ((0, 0), (0, capacity - T), (0, 0), (0, 0))
+
+    def layer(block, h, _):
+      h, (k, v) = block(h, mask, positions)
+      return h, (jnp.pad(k, pad), jnp.pad(v, pad))
+
+    if self.config.scan_layers:  # the caches stacked too: (k, v) of [L, B, S, kv_heads, D]
+      x, caches = layer_scan.scan(self.blocks, layer, x)
+    else:
+      caches = []
+      for block in self.blocks:
+        x, kv = layer(block, x, None)
+        caches.append(kv)
     return self._logits(x[:, -1:])[:, 0], caches
 
   def decode_step(self, token, position, caches, index, key_valid):
@@ -217,6 +237,10 @@ class DecoderLM(nnx.Module):
     `position` [B] (or [3, B] with M-RoPE) is the token's RoPE position."""
     x = self.embed(token[:, None])
     mask = key_valid[:, None, :]
+    if self.config.scan_layers:
+      x, new = layer_scan.scan(
+          self.blocks, lambda blk, h, kv: blk(h, mask, position[..., None], kv, index), x, caches)
+      return self._logits(x)[:, 0], new
     new = []
     for block, cache in zip(self.blocks, caches):
       x, kv = block(x, mask, position[..., None], cache, index)

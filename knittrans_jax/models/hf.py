@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from knittrans_jax.models import scan as layer_scan
 from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
 from knittrans_jax.models.safetensors_io import SafetensorsFile, write
 from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
@@ -236,8 +237,16 @@ def load_weights(path: str, config: DecoderConfig, *, mesh=None, rules=None,
     return (prefix + name.removeprefix("model.") if name.startswith("model.") else name,
             transposed)
 
-  flat = list(nnx.to_flat_state(abs_params))
-  wanted = {name_of(p)[0]: p for p, _ in flat}
+  def layers_of(p, var):
+    """The checkpoint tensors (name, transposed, one layer's shape) making up `var`: one,
+    or one per layer of a scanned stack."""
+    if not layer_scan.is_stacked(p):
+      return [(*name_of(p), tuple(var.shape))]
+    return [(*name_of(("blocks", i) + tuple(p[1:])), tuple(var.shape[1:]))
+            for i in range(var.shape[0])]
+
+  flat = [(p, var, layers_of(p, var)) for p, var in nnx.to_flat_state(abs_params)]
+  wanted = {name for _, _, parts in flat for name, _, _ in parts}
   present = {n for n in tensors.names if not _IGNORED.match(n) and (owns is None or owns(n))}
   if config.tie_embeddings:  # some exporters write the tied head too; it is the embedding
     present.discard("lm_head.weight")
@@ -253,20 +262,27 @@ def load_weights(path: str, config: DecoderConfig, *, mesh=None, rules=None,
   sh_flat = dict(nnx.to_flat_state(shardings))
   target = jnp.dtype(config.param_dtype)
   values = {}
-  for p, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}",
-                     unit="tensor", disable=None):
-    name, transposed = name_of(p)
-    src = tensors.shape(name)
-    want = tuple(var.shape[::-1] if transposed else var.shape)
-    if src != want:
-      raise CheckpointError(f"{path}: tensor {name} has shape {src}, the config needs {want}")
-    data = tensors.tensor(name)
+  for p, var, parts in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}",
+                            unit="tensor", disable=None):
+    datas = []
+    for name, transposed, shape in parts:
+      src = tensors.shape(name)
+      want = shape[::-1] if transposed else shape
+      if src != want:
+        raise CheckpointError(f"{path}: tensor {name} has shape {src}, the config needs {want}")
+      datas.append((tensors.tensor(name), transposed))
     sharding = sh_flat[p]
     sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
 
-    def read(index, data=data, transposed=transposed):
+    def read_one(index, data, transposed):
       part = data[tuple(reversed(index))].T if transposed else data[index]
       return np.asarray(part).astype(target)  # reads only this slice's bytes
+
+    if not layer_scan.is_stacked(p):
+      read = lambda index, d=datas[0]: read_one(index, *d)  # noqa: E731
+    else:  # a scanned stack: this slice's layers, each read as one unscanned layer
+      read = lambda index, ds=datas: np.stack(  # noqa: E731
+          [read_one(index[1:], *ds[i]) for i in range(len(ds))[index[0]]])
     values[p] = jax.make_array_from_callback(var.shape, sharding, read)
   return nnx.merge(graphdef, _fill(abs_params, values), rest)
 
@@ -301,11 +317,10 @@ def decoder_tensors(params) -> dict[str, tuple[Any, tuple[int, ...]]]:
   """{Hugging Face name: (fetch() -> the host tensor as stored, its stored shape)} of a
   DecoderLM's parameters (an nnx.State)."""
   out = {}
-  for p, v in nnx.to_flat_state(params):
+  for p, shape, get in layer_scan.layer_entries(params):  # a scanned stack layer by layer
     name, tr = hf_name(p)
-    a = v.get_value() if hasattr(v, "get_value") else v
-    out[name] = ((lambda a=a, tr=tr: _host(a).T if tr else _host(a)),
-                 tuple(a.shape[::-1] if tr else a.shape))
+    out[name] = ((lambda get=get, tr=tr: _host(get()).T if tr else _host(get())),
+                 shape[::-1] if tr else shape)
   return out
 
 

@@ -29,6 +29,7 @@ from flax import nnx
 from tqdm import tqdm
 
 # The decoder loader's directory reader (single file, sharded index) and helpers.
+from knittrans_jax.models import scan as layer_scan
 from knittrans_jax.models.hf import CheckpointError, _fill, _host, _Tensors, read_config
 from knittrans_jax.models.layers import RMSNorm, dense, wide
 from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
@@ -77,6 +78,7 @@ class QwenVisionConfig:
   norm_eps: float = 1e-6
   dtype: str = "float32"
   param_dtype: str = "float32"
+  scan_layers: bool = False  # the blocks as one lax.scan stack (models/scan.py)
 
   def __post_init__(self):
     object.__setattr__(self, "full_attention_layers", tuple(self.full_attention_layers))
@@ -356,7 +358,9 @@ class QwenVisionTower(nnx.Module):
     # The checkpoint's Conv3d has stride = kernel, so it is one matmul per patch.
     self.patch = dense(rngs, config.patch_dim, config.width, ("patch", "embed"), dt,
                        param_dtype=pdt)
-    self.blocks = nnx.List([VisionBlock(config, rngs) for _ in range(config.depth)])
+    self.blocks = (layer_scan.stack(lambda r: VisionBlock(config, r), config.depth, rngs)
+                   if config.scan_layers else
+                   nnx.List([VisionBlock(config, rngs) for _ in range(config.depth)]))
     self.merger = PatchMerger(config, rngs)
 
   def __call__(self, pixel_values, image_grid_thw):
@@ -378,9 +382,18 @@ class QwenVisionTower(nnx.Module):
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     frames = Segments.of(layout.frames)
     windows = Segments.of(layout.windows) if windowed else frames
-    for i, block in enumerate(self.blocks):
-      full = not windowed or i in cfg.full_attention_layers
-      x = block(x, frames if full else windows, cos, sin)
+    full = [not windowed or i in cfg.full_attention_layers for i in range(cfg.depth)]
+    if cfg.scan_layers:
+      def layer(block, h, full_here):
+        if all(full) or not any(full):
+          return block(h, frames if full[0] else windows, cos, sin), None
+        # Qwen2.5-VL: a few full-attention layers among windowed ones, one branch each.
+        return jax.lax.cond(full_here, lambda: block(h, frames, cos, sin),
+                            lambda: block(h, windows, cos, sin)), None
+      x, _ = layer_scan.scan(self.blocks, layer, x, jnp.asarray(full))
+    else:
+      for block, full_here in zip(self.blocks, full):
+        x = block(x, frames if full_here else windows, cos, sin)
     out = self.merger(x)
     return out[layout.inverse] if windowed else out
 
@@ -500,24 +513,24 @@ def hf_tensors(params, config: QwenVisionConfig, prefix: str = "visual."
   {name: (fetch() -> the host tensor as stored, its stored shape)} (hf.write_checkpoint);
   q, k and v go back into one fused qkv."""
   parts: dict[str, dict] = {}
-  for p, v in nnx.to_flat_state(params):
+  for p, shape, get in layer_scan.layer_entries(params):  # a scanned stack layer by layer
     name, how = hf_source(p)
-    parts.setdefault(prefix + name, {})[how] = v.get_value() if hasattr(v, "get_value") else v
+    parts.setdefault(prefix + name, {})[how] = (get, shape)
   out = {}
   for name, got in parts.items():
     if set(got) == {"qkv0", "qkv1", "qkv2"}:
-      qkv = [got[f"qkv{i}"] for i in range(3)]
-      out[name] = ((lambda qkv=qkv: np.concatenate([_host(a).T for a in qkv])),
-                   _stored_shape(config, tuple(qkv[0].shape), "qkv0"))
+      qkv = [got[f"qkv{i}"][0] for i in range(3)]
+      out[name] = ((lambda qkv=qkv: np.concatenate([_host(get()).T for get in qkv])),
+                   _stored_shape(config, got["qkv0"][1], "qkv0"))
       continue
-    ((how, a),) = got.items()
-    shape = _stored_shape(config, tuple(a.shape), how)
+    ((how, (get, shape)),) = got.items()
+    shape = _stored_shape(config, shape, how)
     if how == "T":
-      fetch = lambda a=a: _host(a).T  # noqa: E731
+      fetch = lambda get=get: _host(get()).T  # noqa: E731
     elif how == "conv":  # [C*T*P*P, width] -> Conv3d [width, C, T, P, P]
-      fetch = lambda a=a, shape=shape: _host(a).T.reshape(shape)  # noqa: E731
+      fetch = lambda get=get, shape=shape: _host(get()).T.reshape(shape)  # noqa: E731
     else:
-      fetch = lambda a=a: _host(a)  # noqa: E731
+      fetch = lambda get=get: _host(get())  # noqa: E731
     out[name] = (fetch, shape)
   return out
 
@@ -549,8 +562,16 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   graphdef, abs_params, rest = nnx.split(abstract_tower(config), nnx.Param, ...)
   shardings = dict(nnx.to_flat_state(logical_shardings(nnx.get_partition_spec(abs_params),
                                                        mesh, rules or ())))
-  flat = list(nnx.to_flat_state(abs_params))
-  wanted = {prefix + hf_source(p)[0] for p, _ in flat}
+
+  def layers_of(p, var):
+    """(checkpoint name, how stored, one layer's shape) of each tensor making up `var`."""
+    if not layer_scan.is_stacked(p):
+      return [(prefix + hf_source(p)[0], hf_source(p)[1], tuple(var.shape))]
+    per_layer = [hf_source(("blocks", i) + tuple(p[1:])) for i in range(var.shape[0])]
+    return [(prefix + name, how, tuple(var.shape[1:])) for name, how in per_layer]
+
+  flat = [(p, var, layers_of(p, var)) for p, var in nnx.to_flat_state(abs_params)]
+  wanted = {name for _, _, parts in flat for name, _, _ in parts}
   present = {n for n in tensors.names if n.startswith(prefix)}
   missing, extra = sorted(wanted - present), sorted(present - wanted)
   if missing:
@@ -563,17 +584,18 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
                           "vision tower this config.json describes)")
   target = jnp.dtype(config.param_dtype)
   values = {}
-  for p, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))} vision",
-                     unit="tensor", disable=None):
-    name, how = hf_source(p)
-    name = prefix + name
-    want = _stored_shape(config, tuple(var.shape), how)
-    if tensors.shape(name) != want:
-      raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}, the "
-                            f"config needs {want}")
-    # The tower is small next to the language model: each tensor is converted whole
-    # on the host, then each device takes its slice.
-    full = np.ascontiguousarray(_convert(np.asarray(tensors.tensor(name)), how)).astype(target)
+  for p, var, parts in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))} vision",
+                            unit="tensor", disable=None):
+    layers = []
+    for name, how, shape in parts:
+      want = _stored_shape(config, shape, how)
+      if tensors.shape(name) != want:
+        raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}, the "
+                              f"config needs {want}")
+      # The tower is small next to the language model: each tensor is converted whole
+      # on the host, then each device takes its slice.
+      layers.append(np.ascontiguousarray(_convert(np.asarray(tensors.tensor(name)), how)))
+    full = (np.stack(layers) if layer_scan.is_stacked(p) else layers[0]).astype(target)
     sharding = shardings[p]
     sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
     values[p] = jax.make_array_from_callback(var.shape, sharding, lambda i, a=full: a[i])

@@ -70,11 +70,11 @@ MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl")  # config.json model_type of the two fa
 def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
   """From a Qwen2-VL / Qwen2.5-VL config.json dict: transformers 5's (text_config
   nested, rope_parameters) or the released checkpoints' (text keys at the top,
-  rope_scaling {type: mrope}). `overrides` go to the text DecoderConfig; `dtype`
-  and `param_dtype` to the vision tower too. Missing keys take transformers'
+  rope_scaling {type: mrope}). `overrides` go to the text DecoderConfig; `dtype`,
+  `param_dtype` and `scan_layers` to the vision tower too. Missing keys take transformers'
   Qwen2VLTextConfig defaults where the released configs might leave them out."""
   vision = qv.config_from_hf(hf_config, **{k: v for k, v in overrides.items()
-                                           if k in ("dtype", "param_dtype")})
+                                           if k in ("dtype", "param_dtype", "scan_layers")})
   text = hf_config.get("text_config") or hf_config
   if text.get("hidden_act", "silu") != "silu":
     raise CheckpointError(f"config.json: hidden_act={text['hidden_act']!r}; only 'silu' is "
@@ -212,8 +212,9 @@ def mrope_positions(input_ids, image_grid_thw, config: QwenVLConfig,
 
 # -- the model --------------------------------------------------------------------------
 class QwenVLCache(NamedTuple):
-  """The decoder's per-layer (k, v) caches and each row's rope delta [B]."""
-  layers: list
+  """The decoder's caches (a list of per-layer (k, v), or one stacked (k, v) with
+  scan_layers) and each row's rope delta [B]."""
+  layers: Any
   rope_delta: jax.Array
 
 
@@ -328,7 +329,8 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   decoder = hf.load_weights(path, config.text, mesh=mesh, rules=rules, prefix=prefix,
                             owns=lambda n: not n.startswith(qv.PREFIXES))
   tower, vision = qv.load(path, dtype, mesh=mesh, rules=rules,
-                          param_dtype=overrides["param_dtype"])
+                          param_dtype=overrides["param_dtype"],
+                          scan_layers=config.vision.scan_layers)
   assert vision == config.vision, (vision, config.vision)
   graphdef, _ = nnx.split(abstract_model(config))
   state = nnx.State({"visual": nnx.state(tower), "decoder": nnx.state(decoder)})
