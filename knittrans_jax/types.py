@@ -47,10 +47,18 @@ class TrajMeta:
   version_last: int
   reward: float
   image_ids: tuple[str, ...] = ()
+  # Response tokens with loss mask 1 (storage format 4); None: every response token
+  # (units of older formats, which did not count them).
+  loss_tokens: int | None = None
 
   @property
   def id(self) -> str:
     return f"{self.unit}/{self.row}"
+
+  @property
+  def trained_tokens(self) -> int:
+    """The tokens this trajectory adds to its mini-batch's loss normaliser."""
+    return self.response_len if self.loss_tokens is None else self.loss_tokens
 
   @property
   def length(self) -> int:

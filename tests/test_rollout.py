@@ -192,3 +192,61 @@ def test_a_vision_group_carries_its_image_hashed_once(monkeypatch):
     writer.append(grp.trajectories, images=grp.images)
   assert len(hashes) == 3 and writer.commit.images == 3
   assert image_id(groups[0].images[0].array) == groups[0].images[0].id
+
+
+def test_a_tool_call_inserts_its_output_into_the_context_unsampled():
+  """Multi-turn: after a row samples CALL the tool's tokens follow, unsampled (log-prob
+  0, `inserted`), and decoding goes on from a context that holds them: the sampled
+  tokens' log-probs after them are the training forward's over the whole sequence.
+  Rows whose tool output is -1 have no tool."""
+  with nnx.use_eager_sharding(False):
+    model = DecoderLM(CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  rng = np.random.default_rng(3)
+  B, T = 64, 5.0  # a hot sampler: CALL comes up in some rows
+  prompts = [np.array([tasks.BOS, tasks.LOOKUP, tasks.digit(k % 16), tasks.SEP], np.int32)
+             for k in range(B)]
+  tool = np.stack([np.array([tasks.RESULT, tasks.digit(int(rng.integers(16)))], np.int32)
+                   for _ in range(B)])
+  tool[B // 2:] = -1  # the second half: no tool
+  cfg = SamplerConfig(max_new_tokens=16, temperature=T)
+  out = generate(graphdef, params, prompts, jax.random.key(4), cfg, tool_outputs=tool,
+                 call_token=tasks.CALL)
+  seqs = [np.concatenate([p, o[0]]) for p, o in zip(prompts, out)]
+  L = max(map(len, seqs))
+  padded = np.stack([np.pad(s, (0, L - len(s))) for s in seqs])
+  valid = np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None]
+  ref = np.asarray(token_logprobs(model(jnp.asarray(padded), jnp.asarray(valid)) / T,
+                                  jnp.asarray(padded))[0])  # one forward for every row
+  called = 0
+  for i, (p, (resp, lp, inserted)) in enumerate(zip(prompts, out)):
+    calls = np.flatnonzero(resp == tasks.CALL)
+    want = np.zeros(resp.size, bool)
+    if i < B // 2 and calls.size and calls[0] + 1 < resp.size:
+      j = calls[0]
+      want[j + 1:j + 3] = True
+      np.testing.assert_array_equal(resp[j + 1:j + 3], tool[i][:resp.size - j - 1])
+      called += resp.size > j + 3  # sampled on after the tool's output
+    np.testing.assert_array_equal(inserted, want[:resp.size], err_msg=f"row {i}")
+    assert (lp[inserted] == 0).all()
+    np.testing.assert_allclose(lp[~inserted], ref[i, p.size:p.size + resp.size][~inserted],
+                               atol=2e-5)
+  assert called >= 3, called
+  with pytest.raises(ValueError, match="call_token"):
+    generate(graphdef, params, prompts, jax.random.key(4), cfg, tool_outputs=tool)
+  with pytest.raises(ValueError, match=r"tool_outputs: an integer array \[64, K\]"):
+    generate(graphdef, params, prompts, jax.random.key(4), cfg, tool_outputs=tool[:3],
+             call_token=tasks.CALL)
+
+
+def test_lookup_scores_as_documented():
+  task = tasks.make_task(np.random.default_rng(0), "lookup")
+  v = task.answer["v"]
+  call = [tasks.CALL, *task.tool_output]
+  assert tasks.score(task, np.array(call + [tasks.digit(v), tasks.EOS])) == 1.0
+  assert tasks.score(task, np.array(call + [tasks.digit(v)])) == pytest.approx(0.7)
+  assert tasks.score(task, np.array([tasks.digit(v), tasks.EOS])) == 0.5  # no tool call
+  far = (v + 8) % 16
+  assert tasks.score(task, np.array(call + [tasks.digit(far), tasks.EOS])) == pytest.approx(
+      max(0.0, 1 - abs(far - v) / 8))
+  assert tasks.score(task, np.array([tasks.CALL, tasks.EOS])) == 0.0

@@ -271,6 +271,7 @@ def test_older_format_units_are_read_and_not_appended_to(tmp_path, count_hashes,
     np.testing.assert_array_equal(payload.images[iid], im.array)
   text = fresh.list_committed("text")
   assert [m.group_id for m in text] == [5] * N
+  assert {m.loss_tokens for m in metas + text} == {None}  # formats 1-3 did not count them
   check_payload(fresh.read(text).result(), SEED, N)
   for unit, rows, n_images in (("old", 16, 2), ("text", 8, 0)):
     with pytest.raises(StoreError, match=f"'{unit}' holds {rows} trajectories and "
@@ -296,8 +297,9 @@ def test_a_unit_of_an_unknown_format_is_refused_clearly(tmp_path):
   spec = L.unit_arrays(L.join(f"file://{root}", "u"), _schema())
   commit = ts.open(spec["commit"]).result()
   raw = commit.read().result()
-  raw[L.C_FORMAT] = 4
+  raw[L.C_FORMAT] = 99
   commit.write(raw).result()
-  with pytest.raises(CorruptUnitError, match=r"'u'.*format 4 is not one this version reads \(1, 2, 3\)"):
+  with pytest.raises(CorruptUnitError,
+                     match=r"'u'.*format 99 is not one this version reads \(1, 2, 3, 4\)"):
     TrajectoryStore.open(store.url).list_committed("u")
   assert os.path.exists(root / "u" / "unit.json")

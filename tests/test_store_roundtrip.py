@@ -66,6 +66,7 @@ def test_every_field_round_trips(url):
     assert payload.loss_mask[k].dtype == np.bool_ and not payload.loss_mask[k][:P].any()
     assert m.reward == t.reward and m.group_id == t.group_id and m.index_in_group == t.index_in_group
     assert (m.prompt_len, m.response_len) == (P, t.response_tokens.size)
+    assert m.loss_tokens == m.trained_tokens == int(t.loss_mask.sum())  # random masks
   assert set(payload.images) == set(ids)
   for iid, im in zip(ids, imgs):
     assert payload.images[iid].dtype == im.dtype
@@ -122,3 +123,22 @@ def test_store_errors(url):
     TrajectoryStore.open(url.rstrip("/") + "_missing")
   with pytest.raises(ValueError, match="scheme"):
     TrajectoryStore.open("/no/scheme")
+
+
+def test_an_empty_unit_of_format_3_is_written_in_this_format(tmp_path):
+  """Format 3's `rows` has no LOSS_TOKENS column: an empty unit of it gets this
+  format's (nothing committed to lose), and its rows then count their loss tokens."""
+  import tensorstore as ts
+  from knittrans_jax.storage import layout as L
+  url = f"file://{tmp_path}/store"
+  store = TrajectoryStore.create(url, SCHEMA)
+  unit_url = L.join(url, "old")
+  arrays = L.open_unit_arrays(unit_url, SCHEMA, create=True, format_version=3)
+  arrays["commit"].write(np.array([3] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
+  assert ts.open(L.unit_arrays(unit_url, SCHEMA, 3)["rows"]).result().shape[1] == 9
+  rng = np.random.default_rng(1)
+  trajs = [_traj(rng, 0, i) for i in range(3)]
+  written = store.writer("old").append(trajs)
+  listed = TrajectoryStore.open(url).list_committed("old")
+  assert listed == written
+  assert [m.loss_tokens for m in listed] == [int(t.loss_mask.sum()) for t in trajs]

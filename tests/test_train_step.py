@@ -194,3 +194,31 @@ def test_activations_are_constrained_by_the_layouts_logical_rules():
   plain = jax.jit(lambda t, m: model(t, m)).lower(jnp.asarray(batch["tokens"]),
                                                   jnp.asarray(batch["attention_mask"])).as_text()
   assert "sharding_constraint" not in plain
+
+
+def test_masked_tokens_get_no_gradient(dp):
+  """Tokens with loss mask 0 inside a response (a tool's output, rollout/tasks.py's
+  'lookup') are context only: whatever their behaviour log-probs say, the gradient is
+  the same to the bit, and the same perturbation on a trained token changes it."""
+  fns, state = dp
+  batch = random_batch(np.random.default_rng(5), B=8)
+  inside = np.zeros_like(batch["loss_mask"], bool)
+  inside[:, 8:10] = batch["attention_mask"][:, 8:10]  # two tokens mid-response, masked
+  batch["loss_mask"] = np.where(inside, 0, batch["loss_mask"]).astype(np.float32)
+  total = float(batch["loss_mask"].sum())
+  g0, s0 = fns.grad_step(state, batch, total)
+  moved = dict(batch, behaviour_logp=np.where(inside, -40.0, batch["behaviour_logp"]).astype(
+      np.float32))
+  g1, s1 = fns.grad_step(state, moved, total)
+  for a, b in zip(jax.tree.leaves(to_numpy(g0)), jax.tree.leaves(to_numpy(g1))):
+    np.testing.assert_array_equal(a, b)
+  assert float(s0["tokens"]) == float(s1["tokens"]) == total
+  trained = (batch["loss_mask"] > 0) & ~inside
+  trained[:, :11] = False  # one trained token per row after the masked ones
+  first = trained.argmax(axis=1)
+  hit = np.zeros_like(trained)
+  hit[np.arange(len(first)), first] = trained[np.arange(len(first)), first]
+  control = dict(batch, behaviour_logp=np.where(hit, -40.0, batch["behaviour_logp"]).astype(
+      np.float32))
+  g2, _ = fns.grad_step(state, control, total)
+  assert _max_rel(to_numpy(g2), to_numpy(g0)) > 1e-3

@@ -261,8 +261,14 @@ class Trainer:
                         [payload.logprobs[i] for i in keep], [payload.loss_mask[i] for i in keep],
                         payload.images)
     batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
-    if int(batch["loss_mask"].sum()) != sum(m.response_len for m in payload.metas):
-      raise RuntimeError("loss mask disagrees with the response lengths")
+    counted = batch["loss_mask"].sum(axis=1)
+    for i, m in enumerate(payload.metas):  # the normaliser was planned from these counts
+      if int(counted[i]) != m.trained_tokens:
+        raise RuntimeError(
+            f"trajectory {m.id}: its loss mask has {int(counted[i])} tokens of 1 but its "
+            f"metadata counts {m.trained_tokens} (loss_tokens={m.loss_tokens}, response_len="
+            f"{m.response_len}); units of storage formats 1-3 do not count masked tokens, so "
+            "they train only with all-ones masks: write masked rollouts to a new unit")
     if lay.qwen is not None:
       rows = [m.image_ids for m in payload.metas] + [()] * (lay.rows - len(payload.metas))
       if self.encode_once is not None:  # each image-pad token's row of the mini-batch's E

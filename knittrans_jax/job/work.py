@@ -65,8 +65,8 @@ class StepPlanner:
       images = plan_images(plan.consumers, slot_multiple=multiple, min_slots=min_slots)
     return StepWork(key=(mb.train_batch, mb.index), consumers=plan.consumers,
                     advantages=group_advantages_by_id(mb.groups, self.normalize_adv_std),
-                    # every response token trains (the tasks' loss mask)
-                    total_tokens=sum(m.response_len for m in metas), images=images)
+                    # the loss tokens (mask 1) as the store counted them
+                    total_tokens=sum(m.trained_tokens for m in metas), images=images)
 
 
 def encode_once_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:

@@ -53,6 +53,8 @@ class Response:
   logprobs: np.ndarray  # float32 [R], of the distribution sampled
   finish_reason: str  # 'stop' (a stop token, included in tokens) or 'length'
   versions: tuple[int, int]  # (first, last) weight version that generated its tokens
+  # bool [R]: the tokens a tool inserted (not sampled; no loss on them). None: none.
+  inserted: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)

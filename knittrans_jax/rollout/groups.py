@@ -104,6 +104,11 @@ class Suite:
       object.__setattr__(self, "image_size", self.qwen.image_size)
 
   @property
+  def call_token(self) -> int:
+    """The token that calls a multi-turn task's tool (rollout/tasks.py's 'lookup')."""
+    return tasks.CALL
+
+  @property
   def prompt_len(self) -> int:
     return self.qwen.prompt_len if self.qwen is not None else suite_prompt_len(self.name, self.math)
 
@@ -132,7 +137,10 @@ class Suite:
     ids = tuple(im.id for im in images)
     return RolledGroup([
         Trajectory(prompt_tokens=req.prompt, response_tokens=r.tokens, logprobs=r.logprobs,
-                   loss_mask=np.ones(r.tokens.size, bool), reward=score(task, r.tokens),
+                   # a tool's inserted tokens are context, not the policy's: no loss
+                   loss_mask=(np.ones(r.tokens.size, bool) if r.inserted is None
+                              else ~np.asarray(r.inserted, bool)),
+                   reward=score(task, r.tokens),
                    source=req.source, group_id=req.group_id, index_in_group=i,
                    versions=tuple(sorted(set(r.versions))), image_ids=ids)
         for i, r in enumerate(group.responses)], images)

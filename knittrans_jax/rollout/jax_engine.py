@@ -52,13 +52,21 @@ def generate_groups(graphdef, params, version: int, seed: int, requests: list[Gr
                  image_index=np.repeat(np.arange(len(requests)), n),
                  qwen=qwen.inputs if qwen is not None else None,
                  banned=qwen.special_ids if qwen is not None else ())
+  tools = [getattr(r.task, "tool_output", None) for r in requests]
+  if any(t is not None for t in tools):  # multi-turn tasks: rows without a tool get -1s
+    width = max(len(t) for t in tools if t is not None)
+    rows = [np.full(width, -1, np.int32) if t is None else np.asarray(t, np.int32)
+            for t in tools]
+    extra.update(tool_outputs=np.repeat(np.stack(rows), n, axis=0),
+                 call_token=suite.call_token)
   outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=suite.prompt_len, **extra)
   stops = set(sampler.stop_tokens)
   out = []
   for k, r in enumerate(requests):
     responses = tuple(
-        Response(t, lp, "stop" if t.size and int(t[-1]) in stops else "length",
-                 (version, version)) for t, lp in outs[k * n:(k + 1) * n])
+        Response(o[0], o[1], "stop" if o[0].size and int(o[0][-1]) in stops else "length",
+                 (version, version), o[2] if len(o) > 2 and o[2].any() else None)
+        for o in outs[k * n:(k + 1) * n])
     out.append(FinishedGroup(r, responses, seconds))
   return out
 

@@ -56,9 +56,10 @@ def _top_p_filter(logits, top_p):
   return jnp.where(logits < cutoff, -jnp.inf, logits)
 
 
-@partial(jax.jit, static_argnames=("graphdef", "config", "banned"))
+@partial(jax.jit, static_argnames=("graphdef", "config", "banned", "call_token"))
 def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, images=None,
-              image_index=None, mrope=None, banned: tuple[int, ...] = ()):
+              image_index=None, mrope=None, banned: tuple[int, ...] = (), tool=None,
+              call_token: int = -1):
   model = nnx.merge(graphdef, params)
   B, P = prompts.shape
   N = config.max_new_tokens
@@ -84,8 +85,10 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     t, done = carry[0], carry[4]
     return (t < N) & ~jnp.all(done)
 
+  K = 0 if tool is None else tool.shape[1]
+
   def body(carry):
-    t, logits, caches, key_valid, done, rng, tokens, logps, lives = carry
+    t, logits, caches, key_valid, done, rng, tokens, logps, lives, k, forced = carry
     keys = jax.vmap(jax.random.split)(rng)  # [B, 2]: each row's own stream
     rng, sub = keys[:, 0], keys[:, 1]
     scaled = logits / config.temperature
@@ -97,6 +100,17 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     else:
       token = jax.vmap(jax.random.categorical)(sub, filtered).astype(jnp.int32)
     logp = jnp.take_along_axis(jax.nn.log_softmax(filtered, axis=-1), token[:, None], axis=-1)[:, 0]
+    if tool is not None:  # a row inside its tool output takes the tool's token, unsampled
+      inside = (k >= 0) & (k < K)
+      token = jnp.where(inside, jnp.take_along_axis(tool, jnp.clip(k, 0, K - 1)[:, None],
+                                                    axis=1)[:, 0], token)
+      logp = jnp.where(inside, 0.0, logp)
+      forced = forced.at[:, t].set(inside & ~done)
+      # One call per response: its output follows the call token, then sampling resumes.
+      # A row whose tool output is negative has no tool.
+      k = jnp.where(inside, jnp.where(k + 1 == K, -2, k + 1),
+                    jnp.where((k == -1) & (token == call_token) & ~done & (tool[:, 0] >= 0),
+                              0, k))
     live = ~done
     token = jnp.where(live, token, 0)
     logp = jnp.where(live, logp, 0.0)
@@ -105,13 +119,14 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
     logits, caches = model.decode_step(token, start + t, caches, P + t, key_valid)
     tokens, logps, lives = (tokens.at[:, t].set(token), logps.at[:, t].set(logp),
                             lives.at[:, t].set(live))
-    return t + 1, logits, caches, key_valid, done, rng, tokens, logps, lives
+    return t + 1, logits, caches, key_valid, done, rng, tokens, logps, lives, k, forced
 
   init = (jnp.int32(0), logits, caches, key_valid, jnp.zeros((B,), bool), rng,
-          jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32), jnp.zeros((B, N), bool))
+          jnp.zeros((B, N), jnp.int32), jnp.zeros((B, N), jnp.float32), jnp.zeros((B, N), bool),
+          jnp.full((B,), -1, jnp.int32), jnp.zeros((B, N), bool))
   out = jax.lax.while_loop(cond, body, init)
-  tokens, logps, live = out[6:]
-  return tokens, logps, live.sum(axis=1)
+  tokens, logps, live, _, forced = out[6:]
+  return tokens, logps, live.sum(axis=1), forced
 
 
 def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
@@ -129,9 +144,17 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              config: SamplerConfig, prompt_len: int | None = None,
              images: np.ndarray | None = None, image_index: np.ndarray | None = None,
-             qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = ()
-             ) -> list[tuple[np.ndarray, np.ndarray]]:
+             qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = (),
+             tool_outputs: np.ndarray | None = None, call_token: int | None = None
+             ) -> list[tuple[np.ndarray, ...]]:
   """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
+
+  A tool call (multi-turn episodes): with `tool_outputs` [B, K] and `call_token`, the
+  first time row i samples `call_token` the K tokens tool_outputs[i] follow it in the
+  response and in the context the row goes on from, unsampled (log-prob 0) (a row of
+  -1s: that row has no tool); each
+  result is then (tokens, log-probs, inserted), `inserted` True on the tool's tokens
+  (what the loss mask leaves out).
 
   `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
   [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
@@ -159,8 +182,19 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
     rng = jax.random.split(rng, len(prompts))
   if rng.shape != (len(prompts),):
     raise ValueError(f"rng: one key or one per prompt ({len(prompts)}), got shape {rng.shape}")
-  out_t, out_lp, lengths = jax.device_get(
+  if tool_outputs is not None:
+    tool = np.asarray(tool_outputs)
+    if tool.dtype.kind not in "iu" or tool.shape[:1] != (len(prompts),) or tool.ndim != 2:
+      raise ValueError(f"tool_outputs: an integer array [{len(prompts)}, K] (one row per "
+                       f"prompt), got {tool.dtype} {tool.shape}")
+    if call_token is None:
+      raise ValueError("tool_outputs without call_token: which token calls the tool?")
+    extra.update(tool=jnp.asarray(tool, jnp.int32), call_token=int(call_token))
+  out_t, out_lp, lengths, forced = jax.device_get(
       _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config,
                 banned=tuple(sorted(set(int(b) for b in banned))), **extra))
+  if tool_outputs is not None:
+    return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32),
+             forced[i, :lengths[i]].copy()) for i in range(len(prompts))]
   return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
           for i in range(len(prompts))]

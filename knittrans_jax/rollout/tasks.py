@@ -17,6 +17,12 @@ initialised policy already sees reward differences within a group.
   chain_long  (long)        the chain task with L in 6..15 around 11: the long source
            of configs/text_grpo_tails.gin, whose groups take several times as long
            to decode as `nearest`'s (as a code or proof source does beside chat).
+  lookup   (multi-turn, a tool call)  prompt: BOS LOOKUP k SEP. The value v of key k
+           is in a table only the tool holds (TABLE). Answer: CALL; the engine then
+           inserts the tool's output RESULT v (context, not sampled: loss mask 0);
+           then the digit v, then EOS. reward = closeness of the answer digit
+           max(0, 1 - |a - v| / 8), times 0.7 unless it stops right after, halved for
+           an answer given without calling the tool (the first response token).
 """
 from __future__ import annotations
 
@@ -26,9 +32,11 @@ import math
 import numpy as np
 
 PAD, EOS, BOS, NEAR, COUNT, CHAIN, SEP, X = 0, 1, 2, 3, 4, 5, 6, 7
+LOOKUP, CALL, RESULT = 8, 9, 10
 DIGIT0 = 16
 VOCAB_SIZE = 64
-SOURCES = ("nearest", "count", "chain", "chain_long")
+SOURCES = ("nearest", "count", "chain", "chain_long", "lookup")
+TABLE = tuple(int(v) for v in np.random.default_rng(20261202).permutation(16))  # the tool's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +44,7 @@ class Task:
   source: str
   prompt: np.ndarray  # int32
   answer: dict  # what the scorer checks
+  tool_output: np.ndarray | None = None  # what the engine inserts after CALL (int32)
 
 
 def digit(d: int) -> int:
@@ -57,6 +66,10 @@ def make_task(rng: np.random.Generator, source: str) -> Task:
       L = int(np.clip(np.round(rng.lognormal(np.log(11), 0.25)), 6, 15))
     return Task(source, np.array([BOS, CHAIN, digit(a), digit(L), SEP], np.int32),
                 {"a": a, "L": L})
+  if source == "lookup":
+    k = int(rng.integers(0, 16))
+    return Task(source, np.array([BOS, LOOKUP, digit(k), SEP], np.int32), {"v": TABLE[k]},
+                tool_output=np.array([RESULT, digit(TABLE[k])], np.int32))
   raise ValueError(f"unknown task source {source!r}; choose one of {SOURCES}")
 
 
@@ -84,4 +97,11 @@ def score(task: Task, response: np.ndarray) -> float:
     got = body[:L]
     correct = int(np.sum(got == want[:got.size]))
     return correct / L * math.exp(-abs(body.size - L) / 4.0)
+  if task.source == "lookup":
+    called = body.size >= 3 and body[0] == CALL and (body[1:3] == task.tool_output).all()
+    rest = body[3:] if called else body
+    if rest.size == 0 or not DIGIT0 <= rest[0] < DIGIT0 + 16:
+      return 0.0
+    closeness = max(0.0, 1.0 - abs(int(rest[0]) - DIGIT0 - task.answer["v"]) / 8.0)
+    return closeness * (1.0 if (stopped and rest.size == 1) else 0.7) * (1.0 if called else 0.5)
   raise ValueError(f"unknown task source {task.source!r}")

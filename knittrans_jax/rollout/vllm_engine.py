@@ -144,6 +144,9 @@ class VllmEngine(RolloutEngine):
       if r.extra is not None:
         raise ValueError(f"group {r.group_id}: the 'vllm' engine takes text prompts only "
                          "(a vision group rolls out on the 'jax' engine)")
+      if getattr(r.task, "tool_output", None) is not None:
+        raise ValueError(f"group {r.group_id} (source {r.source!r}) calls a tool mid-response, "
+                         "which only the 'jax' engine inserts: run it with engine 'jax'")
       if r.group_id in self.groups:
         raise ValueError(f"group {r.group_id} is already in the engine")
       self.groups[r.group_id] = (r, {})

@@ -43,7 +43,7 @@ def blake2b_image_id(image: np.ndarray) -> str:
 
 
 # Formats 2 and 3 differ in the sequences' layout only.
-_ID_FUNCTIONS = {1: blake2b_image_id, 2: image_id, FORMAT_VERSION: image_id}
+_ID_FUNCTIONS = {1: blake2b_image_id, 2: image_id, 3: image_id, FORMAT_VERSION: image_id}
 
 
 def id_function(format_version: int):

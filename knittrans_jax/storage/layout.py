@@ -20,8 +20,14 @@ With StoreSchema.dedup_images (the default) the image table holds each image onc
 and `image_refs` of many rows point at it; without, every reference of every row
 has its own row (its own copy) in the table.
 
+Format 4 adds the `rows` column LOSS_TOKENS: how many of the row's response
+tokens have loss mask 1, so the controller counts a mini-batch's loss tokens from
+metadata alone (job/work.py). Units of formats 1-3 have no such column; their
+TrajMeta.loss_tokens is None ("every response token", what the job then assumed), and
+the trainer refuses a payload whose mask says otherwise.
+
 Units of formats 1 and 2 hold the three planes as three arrays (tokens, logprobs,
-loss_mask); they are read, not appended to. One file per chunk for all three cuts
+loss_mask); they, and units of format 3, are read, not appended to. One file per chunk for all three cuts
 the files an append writes and a read opens by three (docs/storage.md, Measured).
 
 The commit marker holds the committed extent of every array and is written last,
@@ -38,19 +44,27 @@ import tensorstore as ts
 
 from knittrans_jax.storage.schema import StoreSchema
 
-# Format 3 stores the sequences in one planar array; formats 1 and 2 in three arrays.
-# Format 2 keys images by xxh3-128 as format 3 does; format 1 by blake2b-128.
-# Units of older formats are read; a writer appends to one only while it is empty.
-FORMAT_VERSION = 3
-READABLE_FORMATS = (1, 2, 3)
+# Format 4 adds the LOSS_TOKENS row column; format 3 stores the sequences in one
+# planar array, formats 1 and 2 in three arrays. Formats 2-4 key images by xxh3-128,
+# format 1 by blake2b-128. Units of older formats are read; a writer appends to one
+# only while it is empty.
+FORMAT_VERSION = 4
+READABLE_FORMATS = (1, 2, 3, 4)
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
 
 # Columns of `rows`. End offsets make the arrays jagged: row r spans
 # [end[r-1], end[r]) with end[-1] = 0.
 (TOK_END, PROMPT_LEN, RESPONSE_LEN, SOURCE, GROUP_ID, INDEX_IN_GROUP, V_FIRST,
- V_LAST, REF_END) = range(9)
-ROW_COLS = 9
+ V_LAST, REF_END, LOSS_TOKENS) = range(10)
+
+
+def row_cols(format_version: int) -> int:
+  """Columns of `rows` in units of a format (LOSS_TOKENS from format 4)."""
+  return 10 if format_version >= 4 else 9
+
+
+ROW_COLS = row_cols(FORMAT_VERSION)
 
 # Columns of `images/index`.
 IMG_BYTE_END, IMG_DTYPE, IMG_NDIM, IMG_DIM0 = 0, 1, 2, 3
@@ -93,6 +107,11 @@ def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray
 def payload_arrays(format_version: int) -> tuple[str, ...]:
   """The names of the arrays that hold the sequences in units of a format."""
   return ("sequences",) if format_version >= 3 else tuple(name for name, _ in SEQ_FIELDS)
+
+
+def format_arrays(format_version: int) -> tuple[str, ...]:
+  """The arrays whose spec depends on the unit's format: opened once it is known."""
+  return payload_arrays(format_version) + ("rows",)
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -223,7 +242,8 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
         "loss_mask": array_spec(j("loss_mask"), "uint8", [M], [tc], MASK_FILL, pay)}
   return {
       **payload,
-      "rows": array_spec(j("rows"), "int64", [M, ROW_COLS], [rc, ROW_COLS], ROWS_FILL, True),
+      "rows": array_spec(j("rows"), "int64", [M, row_cols(format_version)],
+                         [rc, row_cols(format_version)], ROWS_FILL, True),
       "reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True),
       "image_refs": array_spec(j("image_refs"), "int64", [M], [rc], ROWS_FILL, True),
       "images/data": array_spec(j("images/data"), "uint8", [M], [schema.image_chunk_bytes],

@@ -26,9 +26,9 @@ class UnitReader:
     self.unit = L.check_unit_name(unit)
     self.schema = schema
     self._url = L.join(root, unit)
-    # The sequences' arrays depend on the unit's format: opened once it is read.
+    # The sequences' and rows' arrays depend on the unit's format: opened once it is read.
     self._format: int | None = None
-    common = set(L.unit_arrays(self._url, schema)) - set(L.payload_arrays(L.FORMAT_VERSION))
+    common = set(L.unit_arrays(self._url, schema)) - set(L.format_arrays(L.FORMAT_VERSION))
     try:
       self.arrays = L.open_unit_arrays(self._url, schema, create=False, names=common)
     except Exception as e:
@@ -46,9 +46,9 @@ class UnitReader:
     if commit.format != self._format:
       try:
         self.arrays.update(L.open_unit_arrays(self._url, self.schema, False, commit.format,
-                                              names=L.payload_arrays(commit.format)))
+                                              names=L.format_arrays(commit.format)))
       except Exception as e:
-        raise CorruptUnitError(self.unit, f"cannot open its sequence arrays: {e}") from e
+        raise CorruptUnitError(self.unit, f"cannot open its sequence or row arrays: {e}") from e
       self._format = commit.format
     self.image_hash = id_function(commit.format)
     return commit
@@ -142,7 +142,7 @@ class UnitReader:
       f_rows = self._read("rows", lo, stop, batch)
       f_rew = self._read("reward", start, stop, batch)
     rows, reward = self._result(f_rows, "rows"), self._result(f_rew, "reward")
-    prev = rows[0] if start > 0 else np.zeros(L.ROW_COLS, np.int64)
+    prev = rows[0] if start > 0 else np.zeros(L.row_cols(commit.format), np.int64)
     rows = rows[1:] if start > 0 else rows
     tok_end, ref_end = rows[:, L.TOK_END], rows[:, L.REF_END]
     tok_start = np.concatenate([[prev[L.TOK_END]], tok_end[:-1]])
@@ -151,7 +151,8 @@ class UnitReader:
     if ((rows < 0).any() or not np.isfinite(reward).all()
         or (tok_end - tok_start != lengths).any() or tok_end[-1] > commit.tokens
         or ref_end[-1] > commit.refs
-        or (rows[:, L.SOURCE] >= len(self.schema.sources)).any()):
+        or (rows[:, L.SOURCE] >= len(self.schema.sources)).any()
+        or (commit.format >= 4 and (rows[:, L.LOSS_TOKENS] > rows[:, L.RESPONSE_LEN]).any())):
       raise CorruptUnitError(self.unit, f"row columns [{start}, {stop}) are inconsistent "
                              "(a chunk is missing or damaged)")
     refs = np.zeros(0, np.int64)
@@ -166,13 +167,16 @@ class UnitReader:
       for r in range(stop - start):
         self._row_refs[start + r] = refs[ref_start[r] - base:ref_end[r] - base]
     sources = self.schema.sources
+    loss = (rows[:, L.LOSS_TOKENS].tolist() if commit.format >= 4 else
+            [None] * (stop - start))  # formats 1-3 did not count them
     return [TrajMeta(
         unit=self.unit, row=start + r, token_start=int(tok_start[r]),
         prompt_len=int(rows[r, L.PROMPT_LEN]), response_len=int(rows[r, L.RESPONSE_LEN]),
         source=sources[rows[r, L.SOURCE]], group_id=int(rows[r, L.GROUP_ID]),
         index_in_group=int(rows[r, L.INDEX_IN_GROUP]), version_first=int(rows[r, L.V_FIRST]),
         version_last=int(rows[r, L.V_LAST]), reward=float(reward[r]),
-        image_ids=tuple(self._image_ids[i] for i in refs[ref_start[r] - base:ref_end[r] - base]))
+        image_ids=tuple(self._image_ids[i] for i in refs[ref_start[r] - base:ref_end[r] - base]),
+        loss_tokens=loss[r])
         for r in range(stop - start)]
 
   def image_location(self, image_id: str) -> tuple[int, int, np.dtype, tuple[int, ...]]:

@@ -16,6 +16,7 @@ import time
 from typing import Sequence
 
 import numpy as np
+import tensorstore as ts
 
 from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
@@ -43,12 +44,19 @@ class UnitWriter:
     if c.format != L.FORMAT_VERSION and (c.rows or c.images):
       raise StoreError(f"unit '{unit}' holds {c.rows} trajectories and {c.images} images in "
                        f"format {c.format}; this version writes format {L.FORMAT_VERSION} (the "
-                       "sequences in one planar array, images keyed by xxh3-128) and does not "
-                       "mix formats in a unit: read it as it is, and write new rollouts to a new "
-                       "unit or store")
+                       "sequences in one planar array, images keyed by xxh3-128, loss tokens "
+                       "counted) and does not mix formats in a unit: read it as it is, and "
+                       "write new rollouts to a new unit or store")
     # Opened only now: a unit of an older format must not get this format's arrays.
-    self._arrays = {**marker, **L.open_unit_arrays(
-        self.url, schema, create=True, names=set(L.unit_arrays(self.url, schema)) - {"commit"})}
+    # An empty one is written in this format: its `rows` (no row committed, so
+    # nothing to lose) is made again with this format's columns.
+    names = set(L.unit_arrays(self.url, schema)) - {"commit"}
+    if c.format < 4:
+      names.discard("rows")
+      spec = L.unit_arrays(self.url, schema)["rows"]
+      marker["rows"] = ts.open(spec, create=True, delete_existing=True,
+                               context=L.context(schema.durable)).result()
+    self._arrays = {**marker, **L.open_unit_arrays(self.url, schema, create=True, names=names)}
     if not registered and self._commit == Commit():
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit
     self.host = host or socket.gethostname()
@@ -197,6 +205,7 @@ class UnitWriter:
       rows[:, L.V_FIRST] = packed.version_first
       rows[:, L.V_LAST] = packed.version_last
       rows[:, L.REF_END] = ref_end
+      rows[:, L.LOSS_TOKENS] = packed.loss_tokens
       futures += [self._chunks.write_sequences(
                       c.tokens, (packed.tokens, packed.logprobs, packed.loss_mask)),
                   write("rows", c.rows, rows), write("reward", c.rows, packed.reward)]
@@ -210,7 +219,8 @@ class UnitWriter:
             source=self.schema.sources[packed.source[r]], group_id=int(packed.group_id[r]),
             index_in_group=int(packed.index_in_group[r]),
             version_first=int(packed.version_first[r]), version_last=int(packed.version_last[r]),
-            reward=float(packed.reward[r]), image_ids=packed.image_ids[r]))
+            reward=float(packed.reward[r]), image_ids=packed.image_ids[r],
+            loss_tokens=int(packed.loss_tokens[r])))
       n_rows, n_tok, n_refs = c.rows + k, c.tokens + T, c.refs + refs.size
     if not futures:
       return metas

@@ -37,6 +37,7 @@ class PackedAppend:
   index_in_group: np.ndarray
   version_first: np.ndarray
   version_last: np.ndarray
+  loss_tokens: np.ndarray  # response tokens with loss mask 1, per row
   reward: np.ndarray  # float64 [k]
   image_ids: list[tuple[str, ...]]
 
@@ -94,7 +95,7 @@ def _pack(trajectories: Sequence[Trajectory], schema: StoreSchema,
   log-prob values, for the caller to make over the packed arrays."""
   toks, lps, masks, imgs = [], [], [], []
   cols = {k: [] for k in ("prompt_len", "response_len", "source", "group_id", "index_in_group",
-                          "version_first", "version_last", "reward")}
+                          "version_first", "version_last", "loss_tokens", "reward")}
   for i, t in enumerate(trajectories):
     if not isinstance(t, Trajectory):
       raise Bad("trajectory", i, type(t).__name__, "must be a knittrans_jax.types.Trajectory")
@@ -148,6 +149,7 @@ def _pack(trajectories: Sequence[Trajectory], schema: StoreSchema,
     cols["index_in_group"].append(_int_field(t.index_in_group, "index_in_group", i, gid))
     cols["version_first"].append(min(versions))
     cols["version_last"].append(max(versions))
+    cols["loss_tokens"].append(int(np.count_nonzero(mask)))
     cols["reward"].append(float(reward))
     imgs.append(ids)
   ints = {k: np.asarray(v, np.int64) for k, v in cols.items() if k != "reward"}
