@@ -224,3 +224,32 @@ def test_image_plan_layout_and_errors():
   two = TrajMeta("u0", 0, 0, 3, 3, "vqa", 0, 0, 0, 0, 0.0, image_ids=("a", "b"))
   with pytest.raises(ImagePlanError, match=r"u0/0 has 2 images"):
     plan_images([[[two]]])
+
+
+def test_vlm_train_forwards_form_no_vocab_sized_logits():
+  """The VLM steps' forwards (naive and encode-once) hand the loss hidden states, so
+  neither forms [B, T, vocab] logits: the largest vocab-sized array is one chunk's."""
+  from knittrans_jax.models.vlm import vlm_forward
+  from knittrans_jax.multimodal.encode_once import PrefixImages
+  from knittrans_jax.rl.losses import ppo_loss_sum
+  from knittrans_jax.train.program_arrays import largest_vocab_activation
+  with nnx.use_eager_sharding(False):
+    model = VLM(VIT, DecoderConfig(**{**LM.__dict__, "vocab_size": 96}), nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  B, T_, chunk = 2, 64, 8
+  batch = {"tokens": np.zeros((B, T_), np.int32), "attention_mask": np.ones((B, T_), bool),
+           "loss_mask": np.ones((B, T_), np.float32), "behaviour_logp": np.zeros((B, T_), np.float32),
+           "advantages": np.ones(B, np.float32), "images": np.zeros((B, 16, 16, 3), np.float32),
+           "image_index": np.array([0, 0], np.int32)}
+  cfg = LossConfig(logprob_chunk=chunk)
+
+  def naive(p):
+    return ppo_loss_sum(vlm_forward(nnx.merge(graphdef, p), batch), batch, cfg)[0]
+
+  def once(p):
+    m = nnx.merge(graphdef, p)
+    embeds = m.encode(batch["images"][:1])
+    return ppo_loss_sum(PrefixImages().logits(m, embeds, batch), batch, cfg)[0]
+  for fn in (naive, once):
+    shape = largest_vocab_activation(jax.grad(fn), params, vocab=96)
+    assert shape and shape[1] == chunk, shape

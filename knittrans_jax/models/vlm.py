@@ -23,8 +23,9 @@ class VLM(nnx.Module):
     """Projected image embeddings [B, num_tokens, lm width]."""
     return self.projector(self.encoder(images))
 
-  def decode(self, image_embeds, tokens, attention_mask):
-    return self.decoder(tokens, attention_mask, prefix=image_embeds)
+  def decode(self, image_embeds, tokens, attention_mask, hidden: bool = False):
+    """hidden: the decoder's `Hidden` (the train step's chunked log-probs) for logits."""
+    return self.decoder(tokens, attention_mask, prefix=image_embeds, hidden=hidden)
 
   # -- incremental decoding (the rollout sampler) -----------------------------
   def prefill(self, tokens, valid, capacity: int, images=None, image_index=None):
@@ -39,12 +40,13 @@ class VLM(nnx.Module):
   def decode_step(self, token, position, caches, index, key_valid):
     return self.decoder.decode_step(token, position, caches, index, key_valid)
 
-  def __call__(self, images, tokens, attention_mask):
-    return self.decode(self.encode(images), tokens, attention_mask)
+  def __call__(self, images, tokens, attention_mask, hidden: bool = False):
+    return self.decode(self.encode(images), tokens, attention_mask, hidden)
 
 
 def vlm_forward(model, batch):
-  return model(batch["images"], batch["tokens"], batch["attention_mask"])
+  """The train step's forward: hidden states, so no [B, T, vocab] logits are formed."""
+  return model(batch["images"], batch["tokens"], batch["attention_mask"], hidden=True)
 
 
 def make_model(lm: DecoderConfig, vit, rngs: nnx.Rngs) -> nnx.Module:

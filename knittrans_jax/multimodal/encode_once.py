@@ -155,7 +155,7 @@ def naive_vlm_forward(calls: EncoderCalls | None = None):
 
   def forward(model, batch):
     embeds = calls.tag(model.encode(batch["images"]))
-    return model.decode(embeds, batch["tokens"], batch["attention_mask"])
+    return model.decode(embeds, batch["tokens"], batch["attention_mask"], hidden=True)
   return forward
 
 
@@ -174,7 +174,9 @@ class ImagePath:
     raise NotImplementedError
 
   def logits(self, model, embeds, batch):
-    """The backbone's logits for one micro-batch, its rows' embeddings taken from E."""
+    """The backbone's output for one micro-batch, its rows' embeddings taken from E:
+    logits, or the decoder's `Hidden` (what the paths here return, so the loss's
+    chunked log-probs never form [B, T, vocab])."""
     raise NotImplementedError
 
   def num_images(self, images) -> int:
@@ -205,7 +207,7 @@ class PrefixImages(ImagePath):
 
   def logits(self, model, embeds, batch):
     prefix = jnp.take(embeds, batch["image_index"], axis=0)  # its VJP: scatter-add into dE
-    return model.decode(prefix, batch["tokens"], batch["attention_mask"])
+    return model.decode(prefix, batch["tokens"], batch["attention_mask"], hidden=True)
 
 
 @dataclasses.dataclass

@@ -281,7 +281,8 @@ def naive_qwen_forward(grid: tuple[int, int, int], calls=None):
       embeds = calls.tag(embeds, embeds.shape[0])
     rows = jnp.take_along_axis(embeds, batch["embed_index"][..., None], axis=1)  # [B, T, width]
     return model(batch["tokens"], batch["attention_mask"],
-                 positions=jnp.moveaxis(batch["positions"], 1, 0), image_embeds=rows)
+                 positions=jnp.moveaxis(batch["positions"], 1, 0), image_embeds=rows,
+                 hidden=True)
   return forward
 
 
@@ -303,7 +304,7 @@ class QwenVLImages(ImagePath):
     rows = jnp.take(embeds, batch["embed_index"], axis=0)  # [B, T, width], by token
     positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> the decoder's [3, B, T]
     return model(batch["tokens"], batch["attention_mask"], positions=positions,
-                 image_embeds=rows)
+                 image_embeds=rows, hidden=True)
 
   def num_images(self, images: PackedImages) -> int:
     return len(images.grid)
