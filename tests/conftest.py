@@ -8,6 +8,19 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 
+# Files whose tests start a local Ray, jax.distributed processes, network-namespaced
+# hosts or a vLLM engine: under pytest-xdist (make test) they run on one worker, one
+# after another, so two clusters never race for ports, cores or memory.
+_ONE_WORKER = ("test_ray_fleet.py", "test_netns_hosts.py", "test_distributed.py",
+               "test_vllm_engine.py", "test_vllm_job.py")
+
+
+def pytest_collection_modifyitems(config, items):
+  for item in items:
+    if os.path.basename(str(item.fspath)) in _ONE_WORKER:
+      item.add_marker(pytest.mark.xdist_group("clusters"))
+
+
 @pytest.fixture(autouse=True)
 def _clear_gin():
   gin.clear_config()
