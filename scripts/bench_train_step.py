@@ -2,9 +2,9 @@
 
   python scripts/bench_train_step.py --json runs/bench_train_step.json
 
-For each of configs/mesh/{dp,fsdp,fsdp_tp}.gin: tokens per second of `grad_step`
-on one micro-batch, and of a whole mini-batch update (accumulating
---micro_batches micro-batches then `apply_step`). Compilation is excluded
+For each of configs/mesh/{dp,fsdp,fsdp_tp}.gin: tokens per second of the job's
+`micro_step` on one micro-batch (gradients into a fresh accumulator), and of a whole
+mini-batch update (--micro_batches micro steps, then `apply_step`). Compilation is excluded
 (one warm-up); figures are medians of --reps. Run with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 on a CPU to get 8 devices.
 """
@@ -49,25 +49,30 @@ def bench_layout(layout, B, T, micro_batches, reps):
   micros = [make_batch(rng, B, T, model_cfg.vocab_size) for _ in range(micro_batches)]
   total = float(B * T * micro_batches)
 
-  def grad_once():
-    jax.block_until_ready(fns.grad_step(state, micros[0], total))
+  def fresh():
+    acc, sums = fns.zero_grads(state.params), fns.zero_sums(state, micros[0])
+    return jax.block_until_ready((acc, sums))  # zeros made outside the timed span
 
-  def update_once():
+  def grad_once(acc, sums):
+    jax.block_until_ready(fns.micro_step(state, acc, sums, micros[0], total))
+
+  def update_once(acc, sums):
     nonlocal state
-    acc = fns.zero_grads(state.params)
     for m in micros:
-      acc = fns.accumulate(acc, fns.grad_step(state, m, total)[0])
+      acc, sums = fns.micro_step(state, acc, sums, m, total)
     state, metrics = fns.apply_step(state, acc)
     jax.block_until_ready(metrics)
 
-  grad_once(); update_once()  # compile
+  grad_once(*fresh()); update_once(*fresh())  # compile
   g_times, u_times = [], []
   for _ in range(reps):
-    t0 = time.perf_counter(); grad_once(); g_times.append(time.perf_counter() - t0)
-    t0 = time.perf_counter(); update_once(); u_times.append(time.perf_counter() - t0)
-  return {"mesh": dict(mesh.shape), "grad_step_tokens_per_s": B * T / statistics.median(g_times),
+    zeros = fresh()
+    t0 = time.perf_counter(); grad_once(*zeros); g_times.append(time.perf_counter() - t0)
+    zeros = fresh()
+    t0 = time.perf_counter(); update_once(*zeros); u_times.append(time.perf_counter() - t0)
+  return {"mesh": dict(mesh.shape), "micro_step_tokens_per_s": B * T / statistics.median(g_times),
           "tokens_per_s": B * T * micro_batches / statistics.median(u_times),
-          "grad_step_ms": 1e3 * statistics.median(g_times),
+          "micro_step_ms": 1e3 * statistics.median(g_times),
           "update_ms": 1e3 * statistics.median(u_times)}
 
 
@@ -89,9 +94,9 @@ def main():
     json.dump(out, f, indent=1)
   print(f"\ntiny decoder, {args.batch} x {args.seq} tokens per micro-batch, "
         f"{args.micro_batches} per mini-batch, {len(jax.devices())} {jax.devices()[0].platform} devices")
-  print(f"  {'layout':<10}{'mesh':<26}{'grad_step tok/s':>16}{'update tok/s':>14}")
+  print(f"  {'layout':<10}{'mesh':<26}{'micro_step tok/s':>17}{'update tok/s':>14}")
   for name, r in out["layouts"].items():
-    print(f"  {name:<10}{str(r['mesh']):<26}{r['grad_step_tokens_per_s']:>16.0f}{r['tokens_per_s']:>14.0f}")
+    print(f"  {name:<10}{str(r['mesh']):<26}{r['micro_step_tokens_per_s']:>17.0f}{r['tokens_per_s']:>14.0f}")
   print(f"wrote {args.json}")
 
 

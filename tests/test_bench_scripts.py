@@ -143,7 +143,7 @@ def test_bench_train_step_writes_its_json(tmp_path):
                          "--reps", "1"], capture_output=True, text=True, timeout=300, env=env)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())["layouts"]["dp"]
-  assert r["tokens_per_s"] > 0 and r["grad_step_tokens_per_s"] > 0 and r["mesh"] == {"data": 8}
+  assert r["tokens_per_s"] > 0 and r["micro_step_tokens_per_s"] > 0 and r["mesh"] == {"data": 8}
 
 
 @pytest.mark.slow

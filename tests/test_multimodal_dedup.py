@@ -19,6 +19,7 @@ from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, ini
 from knittrans_jax.train.batch import rows_multiple
 from knittrans_jax.train.state import TrainState
 from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
+from train_helpers import micro_grads
 
 VIT = ViTConfig(image_size=16, patch_size=4, width=32, depth=2, heads=4, mlp_width=64)
 LM = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)
@@ -81,11 +82,7 @@ def slot_images(iplan, images_by_id, shape):
 
 
 def naive_grads(fns, state, naive, total):
-  acc = fns.zero_grads(state.params)
-  for b in naive:
-    g, _ = fns.grad_step(state, b, total)
-    acc = fns.accumulate(acc, g)
-  return acc
+  return micro_grads(fns, state, naive, total)[0]
 
 
 def max_rel_err(got, want) -> dict:

@@ -1,7 +1,6 @@
 """Local units' payload reads go straight to the chunk files (storage/file_chunks.py)
 and return what TensorStore returns."""
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -14,7 +13,6 @@ from knittrans_jax.storage.unit_reader import UnitReader
 
 SEED, N = 4, 4
 DTYPES = [dt for _, dt in L.SEQ_FIELDS]
-FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "format2_store")
 
 
 def _planes_through_tensorstore(array, chunk, lo, hi):
@@ -69,30 +67,33 @@ def test_chunk_file_reads_equal_tensorstore_reads(tmp_path, checksum):
       read_planes(seq_dir, 64, DTYPES, lo, hi, file_bytes, checksum)
 
 
-def test_format_2_arrays_read_by_range_equal_tensorstore_reads(tmp_path):
-  """Units of formats 1-2 keep one array per field: read by range, chunk by chunk."""
-  shutil.copytree(FORMAT2, tmp_path / "s")
-  store = TrajectoryStore.open(f"file://{tmp_path}/s")
-  reader = store.reader("text")
-  total = reader.commit().tokens
-  assert reader.commit().format == 2
-  spans = [(0, total), (0, 1), (63, 65), (64, 128)]
-  for name in ("tokens", "logprobs", "loss_mask"):
-    array = reader.arrays[name]
-    size = array.dtype.numpy_dtype.itemsize
-    for lo, hi in spans:
-      got = read_range(str(tmp_path / "s" / "text" / name), 64, array.dtype.numpy_dtype,
-                       array.fill_value, lo, hi, 64 * size)
-      np.testing.assert_array_equal(got, array[lo:hi].read().result())
-  # A chunk never written reads as the fill value; one of the wrong size is an error.
-  np.testing.assert_array_equal(
-      read_range(str(tmp_path / "s" / "text" / "tokens"), 64, np.int32, -1, total + 64,
-                 total + 70, 256), -1)
-  with open(tmp_path / "s" / "text" / "tokens" / "c" / "1", "ab") as f:
+def test_flat_arrays_read_by_range_equal_tensorstore_reads(tmp_path):
+  """A 1-D array (the image table's bytes) read by range from its chunk files, chunk
+  by chunk, equals TensorStore's read; a chunk never written reads as the fill value,
+  one of the wrong size is an error naming the file."""
+  import dataclasses
+  from knittrans_jax.storage import Image
+  schema = StoreSchema(sources=SOURCES, max_response_len=512, token_chunk=64, row_chunk=8,
+                       image_chunk_bytes=256)
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", schema)
+  rng = np.random.default_rng(0)
+  images = [Image.of(rng.integers(0, 255, (12, 12, 3), dtype=np.uint8)) for _ in range(2)]
+  trajs = [dataclasses.replace(t, image_ids=(images[i % 2].id,))
+           for i, t in enumerate(group(SEED, 0, N))]
+  store.writer("u").append(trajs, images=images)
+  reader = store.reader("u")
+  total = reader.commit().image_bytes
+  assert total == 2 * 12 * 12 * 3
+  array, d = reader.arrays["images/data"], str(tmp_path / "s" / "u" / "images" / "data")
+  for lo, hi in [(0, total), (0, 1), (255, 257), (256, 512)]:
+    np.testing.assert_array_equal(read_range(d, 256, np.uint8, 0, lo, hi, 256),
+                                  array[lo:hi].read().result())
+  np.testing.assert_array_equal(read_range(d, 256, np.uint8, 7, 1024, 1030, 256), 7)
+  with open(os.path.join(d, "c", "1"), "ab") as f:
     f.write(b"\0")  # a read to the chunk's end takes no fstat: its byte count tells
-  for lo, hi in ((0, 200), (70, 100)):  # to the end of chunk 1, inside it
-    with pytest.raises(ChunkFileError, match=r"tokens/c/1 is 257 bytes, not 256"):
-      read_range(str(tmp_path / "s" / "text" / "tokens"), 64, np.int32, -1, lo, hi, 256)
+  for lo, hi in ((256, 512), (300, 400)):  # to the end of chunk 1, inside it
+    with pytest.raises(ChunkFileError, match=r"data/c/1 is 257 bytes, not 256"):
+      read_range(d, 256, np.uint8, 0, lo, hi, 256)
 
 
 def test_a_file_store_reads_its_payload_without_tensorstore(tmp_path, monkeypatch):

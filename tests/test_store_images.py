@@ -1,10 +1,9 @@
 """The image table: one hash per image, checked on every read; the per-trajectory
-(no-dedup) layout; units written by formats 1 (blake2b ids) and 2."""
+(no-dedup) layout; units of older formats."""
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
 
 import numpy as np
 import pytest
@@ -15,11 +14,9 @@ from store_helpers import SOURCES, check_payload, group
 from knittrans_jax.storage import (CorruptUnitError, Image, StoreError, StoreSchema,
                                    TrajectoryStore, TrajectoryValidationError, image_id)
 from knittrans_jax.storage import layout as L
-from knittrans_jax.storage.images import blake2b_image_id, hex_to_hash
 
 SEED, N = 5, 8
 SHAPE = (16, 16, 3)  # 768 bytes of uint8: one image per 768-byte chunk below
-FORMAT2 = os.path.join(os.path.dirname(__file__), "data", "format2_store")
 
 
 def _schema(**kw):
@@ -235,71 +232,32 @@ def test_a_store_json_without_dedup_images_opens_with_dedup(tmp_path):
   TrajectoryStore.create(store.url, _schema())  # the same schema: no mismatch
 
 
-def _as_format_1(url, unit, images):
-  """Rewrites a format 2 unit as format 1 wrote it: blake2b-128 image ids, format 1
-  marker (the two formats differ in nothing else)."""
-  spec = L.unit_arrays(L.join(url, unit), TrajectoryStore.open(url).schema, 2)
-  commit = ts.open(spec["commit"]).result()
-  raw = commit.read().result()
-  raw[L.C_FORMAT] = 1
-  commit.write(raw).result()
-  if images:
-    hashes = np.stack([hex_to_hash(blake2b_image_id(im.array)) for im in images])
-    ts.open(spec["images/hash"]).result()[:len(images)].write(hashes).result()
-
-
-@pytest.mark.parametrize("fmt", [1, 2])
-def test_older_format_units_are_read_and_not_appended_to(tmp_path, count_hashes, fmt):
-  """tests/data/format2_store was written by format 2 (three sequence arrays): unit
-  'old' holds groups 0-1 of group(5, g, 8), each with _images(2)[g]; 'text' group 5."""
-  shutil.copytree(FORMAT2, tmp_path / "s")
+def test_an_empty_unit_of_format_3_is_continued_in_this_format(tmp_path):
+  """A unit whose marker says format 3 and holds nothing is written in format 4."""
   url = f"file://{tmp_path}/s"
-  images = _images(2)
-  if fmt == 1:
-    _as_format_1(url, "old", images)
-    _as_format_1(url, "text", [])
-  fresh = TrajectoryStore.open(url)
-  metas = fresh.list_committed("old")
-  ids = [blake2b_image_id(im.array) if fmt == 1 else im.id for im in images]
-  assert [m.image_ids[0] for m in metas[::N]] == ids  # ids as that unit keyed them
-  count_hashes.update(xxh3_128=0, blake2b=0)
-  payload = fresh.read(metas).result()
-  hashes = {"xxh3_128": 0, "blake2b": 2} if fmt == 1 else {"xxh3_128": 2, "blake2b": 0}
-  assert count_hashes == hashes  # checked with the unit's own hash
-  check_payload(payload, SEED, N)
-  for iid, im in zip(ids, images):
-    np.testing.assert_array_equal(payload.images[iid], im.array)
-  text = fresh.list_committed("text")
-  assert [m.group_id for m in text] == [5] * N
-  assert {m.loss_tokens for m in metas + text} == {None}  # formats 1-3 did not count them
-  check_payload(fresh.read(text).result(), SEED, N)
-  for unit, rows, n_images in (("old", 16, 2), ("text", 8, 0)):
-    with pytest.raises(StoreError, match=f"'{unit}' holds {rows} trajectories and "
-                                         f"{n_images} images in format {fmt}"):
-      fresh.writer(unit)
-  assert fresh.reader("old").commit().rows == 16  # nothing changed by the refusals
-  # An empty unit of an older format is written in this one.
-  w = fresh.writer("empty")
-  commit = ts.open(L.unit_arrays(L.join(url, "empty"), fresh.schema)["commit"]).result()
-  commit.write(np.array([fmt] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
+  store = TrajectoryStore.create(url, _schema())
+  store.writer("empty")
+  commit = ts.open(L.unit_arrays(L.join(url, "empty"), store.schema)["commit"]).result()
+  commit.write(np.array([3] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
   w = TrajectoryStore.open(url).writer("empty")
-  assert w.commit.format == fmt and w.commit.rows == 0
+  assert w.commit.format == 3 and w.commit.rows == 0
   w.append(group(SEED, 7, 2))
   reader = TrajectoryStore.open(url).reader("empty")
   assert reader.commit().format == L.FORMAT_VERSION
   check_payload(TrajectoryStore.open(url).read(reader.list()).result(), SEED, 2)
 
 
-def test_a_unit_of_an_unknown_format_is_refused_clearly(tmp_path):
+def test_a_unit_of_an_unknown_or_old_format_is_refused_clearly(tmp_path):
   root = tmp_path / "store"
   store = TrajectoryStore.create(f"file://{root}", _schema())
   store.writer("u").append(group(SEED, 0, 2))
   spec = L.unit_arrays(L.join(f"file://{root}", "u"), _schema())
   commit = ts.open(spec["commit"]).result()
   raw = commit.read().result()
-  raw[L.C_FORMAT] = 99
-  commit.write(raw).result()
-  with pytest.raises(CorruptUnitError,
-                     match=r"'u'.*format 99 is not one this version reads \(1, 2, 3, 4\)"):
-    TrajectoryStore.open(store.url).list_committed("u")
+  for fmt, why in ((99, "$"), (2, r": an old store; commit [0-9a-f]+ of knittrans_jax reads it")):
+    raw[L.C_FORMAT] = fmt
+    commit.write(raw).result()
+    with pytest.raises(CorruptUnitError,
+                       match=rf"'u'.*format {fmt} is not one this version reads \(3, 4\){why}"):
+      TrajectoryStore.open(store.url).list_committed("u")
   assert os.path.exists(root / "u" / "unit.json")

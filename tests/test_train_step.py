@@ -3,7 +3,7 @@ checkpoints resume bit-identically, a supervised run learns, bad batches are nam
 import jax
 import numpy as np
 import pytest
-from train_helpers import CFG, build, random_batch, to_numpy
+from train_helpers import CFG, build, micro_grads, random_batch, to_numpy
 
 from knittrans_jax.train import BadBatchError, Checkpointer, CheckpointConfig, abstract_state, check_batch
 
@@ -19,7 +19,7 @@ def test_layouts_give_the_same_loss_and_gradients():
   out = {}
   for layout in ("dp", "fsdp", "fsdp_tp"):
     fns, state = build(layout)
-    grads, sums = fns.grad_step(state, batch, 200.0)
+    grads, sums = micro_grads(fns, state, batch, 200.0)
     out[layout] = (to_numpy(sums), to_numpy(grads))
     if layout == "fsdp_tp":  # really sharded: embedding split over both axes
       spec = state.params["embed"]["embedding"][...].sharding.spec
@@ -34,31 +34,24 @@ def dp():
   return build("dp")
 
 
-def test_accumulation_equals_concatenation_and_scan_equals_loop(dp):
+def test_accumulation_equals_concatenation(dp):
   fns, state = dp
   rng = np.random.default_rng(1)
   micros = [random_batch(rng, B=8) for _ in range(3)]
   total = sum(float(m["loss_mask"].sum()) for m in micros)
   whole = {k: np.concatenate([m[k] for m in micros]) for k in micros[0]}
-  g_whole, _ = fns.grad_step(state, whole, total)
-  acc = fns.zero_grads(state.params)
-  for m in micros:
-    g, _ = fns.grad_step(state, m, total)
-    acc = fns.accumulate(acc, g)
+  g_whole, s_whole = micro_grads(fns, state, whole, total)
+  acc, sums = micro_grads(fns, state, micros, total)
   assert _max_rel(to_numpy(acc), to_numpy(g_whole)) < 1e-5
-  loop_state, _ = fns.apply_step(jax.tree.map(lambda x: x.copy(), state), acc)
-  stacked = {k: np.stack([m[k] for m in micros]) for k in micros[0]}
-  scan_state, metrics = fns.scan_step(jax.tree.map(lambda x: x.copy(), state), stacked, total)
-  assert int(scan_state.version) == int(loop_state.version) == int(state.version) + 1
-  assert _max_rel(to_numpy(scan_state.params), to_numpy(loop_state.params)) < 1e-5
-  assert float(metrics["tokens"]) == total
+  assert float(sums["tokens"]) == float(s_whole["tokens"]) == total
+  new, _ = fns.apply_step(jax.tree.map(lambda x: x.copy(), state), acc)
+  assert int(new.version) == int(state.version) + 1
 
 
 def _train(fns, state, batches):
   for b in batches:
     total = float(b["loss_mask"].sum())
-    acc = fns.accumulate(fns.zero_grads(state.params), fns.grad_step(state, b, total)[0])
-    state, _ = fns.apply_step(state, acc)
+    state, _ = fns.apply_step(state, micro_grads(fns, state, b, total)[0])
   return state
 
 
@@ -95,9 +88,9 @@ def test_supervised_sanity_run_drives_the_loss_down():
                advantages=np.zeros(B, np.float32))
   losses = []
   for _ in range(30):
-    grads, sums = fns.grad_step(state, batch, float(B * T))
+    grads, sums = micro_grads(fns, state, batch, float(B * T))
     losses.append(float(sums["loss"]) / float(sums["tokens"]))
-    state, _ = fns.apply_step(state, fns.accumulate(fns.zero_grads(state.params), grads))
+    state, _ = fns.apply_step(state, grads)
   assert losses[-1] < 0.5 * losses[0], losses
 
 
@@ -206,10 +199,10 @@ def test_masked_tokens_get_no_gradient(dp):
   inside[:, 8:10] = batch["attention_mask"][:, 8:10]  # two tokens mid-response, masked
   batch["loss_mask"] = np.where(inside, 0, batch["loss_mask"]).astype(np.float32)
   total = float(batch["loss_mask"].sum())
-  g0, s0 = fns.grad_step(state, batch, total)
+  g0, s0 = micro_grads(fns, state, batch, total)
   moved = dict(batch, behaviour_logp=np.where(inside, -40.0, batch["behaviour_logp"]).astype(
       np.float32))
-  g1, s1 = fns.grad_step(state, moved, total)
+  g1, s1 = micro_grads(fns, state, moved, total)
   for a, b in zip(jax.tree.leaves(to_numpy(g0)), jax.tree.leaves(to_numpy(g1))):
     np.testing.assert_array_equal(a, b)
   assert float(s0["tokens"]) == float(s1["tokens"]) == total
@@ -220,5 +213,18 @@ def test_masked_tokens_get_no_gradient(dp):
   hit[np.arange(len(first)), first] = trained[np.arange(len(first)), first]
   control = dict(batch, behaviour_logp=np.where(hit, -40.0, batch["behaviour_logp"]).astype(
       np.float32))
-  g2, _ = fns.grad_step(state, control, total)
+  g2, _ = micro_grads(fns, state, control, total)
   assert _max_rel(to_numpy(g2), to_numpy(g0)) > 1e-3
+
+
+def test_the_cosine_schedule_runs_to_the_jobs_last_step():
+  """OptimizerConfig.total_steps 0 is derived by the job (train_batches x M): the
+  cosine reaches 10% of the peak at the run's last step, not at a restated count."""
+  from knittrans_jax.train.optimizer import OptimizerConfig, learning_rate
+  cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=2, schedule="cosine")
+  with pytest.raises(ValueError, match="'cosine' needs total_steps"):
+    learning_rate(cfg)
+  lr = learning_rate(cfg.for_steps(12))
+  assert float(lr(2)) == pytest.approx(1.0) and float(lr(12)) == pytest.approx(0.1)
+  assert cfg.for_steps(12).total_steps == 12
+  assert OptimizerConfig(total_steps=50).for_steps(12).total_steps == 50  # given: kept

@@ -96,17 +96,17 @@ def no_device_to_host():
   """jax's transfer guard (what catches a sync on GPU/TPU) plus a check that works on
   the CPU backend, where a device array's host view is zero-copy and the guard sees
   nothing: every host read of a jax.Array (ArrayImpl._value) raises here."""
-  from jax._src import array
-  original = array.ArrayImpl._value
+  impl = type(jax.numpy.zeros(()))  # jax.Array's concrete class, without a private import
+  original = impl._value
 
   def guarded(self):
     raise AssertionError("Disallowed device-to-host transfer: a jax.Array read on the host")
-  array.ArrayImpl._value = property(guarded)
+  impl._value = property(guarded)
   try:
     with jax.transfer_guard_device_to_host("disallow"):
       yield
   finally:
-    array.ArrayImpl._value = original
+    impl._value = original
 
 
 @pytest.fixture(scope="module")

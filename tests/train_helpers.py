@@ -36,6 +36,17 @@ def random_batch(rng, B=16, T=24, vocab=64):
               advantages=rng.normal(size=B).astype(np.float32))
 
 
+def micro_grads(fns, state, batches, total, acc=None):
+  """The job's path: `micro_step` over `batches` (one dict or a list) into `acc`
+  (fresh fp32 zeros by default); returns (gradients, metric sums)."""
+  batches = [batches] if isinstance(batches, dict) else list(batches)
+  acc = fns.zero_grads(state.params) if acc is None else acc
+  sums = fns.zero_sums(state, batches[0])
+  for b in batches:
+    acc, sums = fns.micro_step(state, acc, sums, b, total)
+  return acc, sums
+
+
 def to_numpy(tree):
   import jax
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)

@@ -14,7 +14,7 @@ from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.quarantine import QuarantiningReader
 
-ARRAYS = L.payload_arrays(L.FORMAT_VERSION)  # chunk k: tokens [kC, (k+1)C) of the unit
+ARRAYS = L.PAYLOAD_ARRAYS  # chunk k: tokens [kC, (k+1)C) of the unit
 DAMAGE = ("truncate", "delete", "garbage")
 
 

@@ -276,7 +276,7 @@ class Job:
                        "dropout rng state; set it to 0")
     mesh_cfg = MeshConfig()
     self.mesh, self.rules = make_mesh(mesh_cfg), mesh_cfg.rules
-    tx = make_optimizer(OptimizerConfig())
+    tx = make_optimizer(OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches))
     params = None
     if cfg.checkpoint and not (resume and self.ckpt.latest_step() is not None):
       m = self.model_cfg

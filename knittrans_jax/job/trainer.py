@@ -187,16 +187,10 @@ class Trainer:
     total = jnp.float32(work.total_tokens)
     sums = None
     if self.encode_once is not None:
-      step = self.encode_once
       images = self._take()
-      encoded = step.encode(params, images)
-      acc, acc_e = fns.zero_grads(params), step.zero_embed_grads(encoded)
-      for _ in range(work.num_micro_batches):
-        batch = self._take()
-        acc, acc_e, s = step.backbone(params, encoded, acc, acc_e, batch, total)
-        sums = s if sums is None else fns.add_sums(sums, s)
-        self._last = acc_e
-      grads = step.encoder_grads(params, images, encoded, acc, acc_e)
+      micros = (self._take() for _ in range(work.num_micro_batches))  # read as asked for
+      grads, sums = self.encode_once.mini_batch_grads(
+          params, images, micros, total, on_dispatch=lambda acc_e: setattr(self, "_last", acc_e))
     else:
       grads = fns.zero_grads(params)
       for _ in range(work.num_micro_batches):

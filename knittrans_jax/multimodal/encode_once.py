@@ -44,7 +44,6 @@ from flax import nnx
 
 from knittrans_jax.models.layers import wide
 from knittrans_jax.models.vlm import vlm_forward
-from knittrans_jax.rl.losses import merge_sums
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
@@ -354,12 +353,18 @@ class EncodeOnceStep:
       return self._finish(encoded.residuals, acc, acc_e)
     return self._finish(params, images, acc, acc_e)
 
-  def mini_batch_grads(self, params, images, micro_batches: Iterable[dict], total_tokens):
-    """Gradient of one mini-batch (the loop of the module doc) and its metric sums."""
+  def mini_batch_grads(self, params, images, micro_batches: Iterable[dict], total_tokens,
+                       on_dispatch=None):
+    """Gradient of one mini-batch (the loop of the module doc) and its metric sums:
+    what the trainer runs (job/trainer.py). `micro_batches` may be a generator that
+    reads each one as it is asked for; `on_dispatch(acc_e)` is called after each
+    backbone call is dispatched (the trainer waits on it before blocking for data)."""
     encoded = self.encode(params, images)
     acc, acc_e = self.fns.zero_grads(params), self.zero_embed_grads(encoded)
     sums = None
     for batch in micro_batches:
       acc, acc_e, s = self.backbone(params, encoded, acc, acc_e, batch, total_tokens)
-      sums = s if sums is None else merge_sums(sums, s)
+      sums = s if sums is None else self.fns.add_sums(sums, s)
+      if on_dispatch is not None:
+        on_dispatch(acc_e)
     return self.encoder_grads(params, images, encoded, acc, acc_e), sums

@@ -43,8 +43,11 @@ def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -
     raise CorruptUnitError(unit, "commit marker is missing (the unit is registered, so its "
                            "writer had written one)")
   if raw[L.C_FORMAT] not in L.READABLE_FORMATS:
+    old = L.LAST_READER_OF.get(int(raw[L.C_FORMAT]))
     raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} is not one this "
-                           f"version reads {L.READABLE_FORMATS}")
+                           f"version reads {L.READABLE_FORMATS}" + (
+                               f": an old store; commit {old} of knittrans_jax reads it "
+                               "(check it out to read or convert the run)" if old else ""))
   commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),
                   images=int(raw[L.C_IMAGES]), image_bytes=int(raw[L.C_IMAGE_BYTES]),
                   format=int(raw[L.C_FORMAT]))

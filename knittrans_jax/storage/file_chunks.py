@@ -1,6 +1,6 @@
 """Reads and writes the chunk files of a `file://` unit directly, without
 TensorStore's kvstore (whose file driver writes every chunk as a lock file plus a
-rename, about 1.3 ms even for the 68-byte commit marker here).
+rename, a fixed cost per chunk even for the 68-byte commit marker: docs/storage.md).
 
 Reads: a range of a 1-D zarr3 array straight from its chunk files into one fresh
 buffer: one copy, from the page cache into the result. A range of tokens of the
@@ -194,7 +194,7 @@ def replace(path: str, data: np.ndarray, checksum: bool) -> None:
 
 
 # ext4 (its default auto_da_alloc) starts writeback of a file renamed over another,
-# 0.2-1 ms per chunk here; exchanging the two names (renameat2 RENAME_EXCHANGE) and
+# a synchronous cost per chunk (docs/storage.md); exchanging the two names (renameat2 RENAME_EXCHANGE) and
 # removing the old file does not, and a reader still finds one whole file at `path`
 # (a process killed in between leaves the old file under the temporary name).
 _LIBC = ctypes.CDLL(None, use_errno=True)

@@ -26,8 +26,9 @@ metadata alone (job/work.py). Units of formats 1-3 have no such column; their
 TrajMeta.loss_tokens is None ("every response token", what the job then assumed), and
 the trainer refuses a payload whose mask says otherwise.
 
-Units of formats 1 and 2 hold the three planes as three arrays (tokens, logprobs,
-loss_mask); they, and units of format 3, are read, not appended to. One file per chunk for all three cuts
+Units of format 3 are read, not appended to (unless empty). Formats 1 and 2 (the
+three planes as three arrays; format 1's blake2b image ids) are refused with the
+commit to read them with (storage/commit.py). One file per chunk for all three cuts
 the files an append writes and a read opens by three (docs/storage.md, Measured).
 
 The commit marker holds the committed extent of every array and is written last,
@@ -44,12 +45,12 @@ import tensorstore as ts
 
 from knittrans_jax.storage.schema import StoreSchema
 
-# Format 4 adds the LOSS_TOKENS row column; format 3 stores the sequences in one
-# planar array, formats 1 and 2 in three arrays. Formats 2-4 key images by xxh3-128,
-# format 1 by blake2b-128. Units of older formats are read; a writer appends to one
+# Format 4 adds the LOSS_TOKENS row column to format 3 (the sequences in one planar
+# array, images keyed by xxh3-128). Format 3 units are read; a writer appends to one
 # only while it is empty.
 FORMAT_VERSION = 4
-READABLE_FORMATS = (1, 2, 3, 4)
+READABLE_FORMATS = (3, 4)
+LAST_READER_OF = {1: "c68bd4c", 2: "c68bd4c"}  # the last commit that reads formats 1-2
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
 
@@ -82,9 +83,9 @@ IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16),
 # Fill values are impossible for committed data, so a chunk file that went missing
 # inside the committed range reads back as detectably invalid, not as silent zeros.
 # The planar array's fill byte 255 reads as token -1, log-prob NaN and mask 255.
-TOKEN_FILL, MASK_FILL, ROWS_FILL, SEQ_FILL = -1, 255, -1, 255
+ROWS_FILL, SEQ_FILL = -1, 255
 
-# The planes of `sequences`, in their order within a chunk; the arrays of formats 1-2.
+# The planes of `sequences`, in their order within a chunk.
 SEQ_FIELDS = (("tokens", np.dtype(np.int32)), ("logprobs", np.dtype(np.float32)),
               ("loss_mask", np.dtype(np.uint8)))
 SEQ_BYTES = sum(dt.itemsize for _, dt in SEQ_FIELDS)  # per token
@@ -104,14 +105,8 @@ def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray
                                     or mask.max() > 1)
 
 
-def payload_arrays(format_version: int) -> tuple[str, ...]:
-  """The names of the arrays that hold the sequences in units of a format."""
-  return ("sequences",) if format_version >= 3 else tuple(name for name, _ in SEQ_FIELDS)
-
-
-def format_arrays(format_version: int) -> tuple[str, ...]:
-  """The arrays whose spec depends on the unit's format: opened once it is known."""
-  return payload_arrays(format_version) + ("rows",)
+PAYLOAD_ARRAYS = ("sequences",)  # the arrays that hold the sequences
+FORMAT_ARRAYS = ("rows",)  # the arrays whose spec depends on the format (row_cols)
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -232,14 +227,8 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
   tc, rc, pay = schema.token_chunk, schema.row_chunk, schema.payload_checksum
   M = MAX_EXTENT
   j = lambda name: join(unit_url, name)
-  if format_version >= 3:
-    payload = {"sequences": array_spec(j("sequences"), "uint8", [M], [SEQ_BYTES * tc],
-                                       SEQ_FILL, pay)}
-  else:
-    payload = {
-        "tokens": array_spec(j("tokens"), "int32", [M], [tc], TOKEN_FILL, pay),
-        "logprobs": array_spec(j("logprobs"), "float32", [M], [tc], "NaN", pay),
-        "loss_mask": array_spec(j("loss_mask"), "uint8", [M], [tc], MASK_FILL, pay)}
+  payload = {"sequences": array_spec(j("sequences"), "uint8", [M], [SEQ_BYTES * tc],
+                                     SEQ_FILL, pay)}
   return {
       **payload,
       "rows": array_spec(j("rows"), "int64", [M, row_cols(format_version)],

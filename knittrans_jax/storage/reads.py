@@ -8,7 +8,7 @@ instead, when the read is issued (UnitReader.read_sequences and .read_flat,
 storage/file_chunks.py).
 
 Every image read is checked against its id, the content hash the writer stored
-(xxh3-128, about 0.16 ms for a 2.4 MB image here): a damaged, missing or swapped
+(xxh3-128, cheaper than the read itself: docs/storage.md): a damaged, missing or swapped
 image is an error naming its unit, id and image-table row. With dedup an image is
 read once per call; without (StoreSchema.dedup_images=False) each trajectory's own
 copy is read and checked, and the payload holds one array per id either way.

@@ -34,7 +34,7 @@ class StoreSchema:
     Metadata (rows, image index, commit marker) is always checksummed. Truncated
     payload chunks are detected either way; this adds bit-flip detection at about
     30% lower read throughput.
-  durable: fsync every write (survives power loss, ~3x slower appends). Without it
+  durable: fsync every write (survives power loss, slower appends: docs/storage.md). Without it
     the store is still safe against a killed process: the commit marker is
     written only after every other write of the append has completed.
   dedup_images: store each image once per unit, however many trajectories use it

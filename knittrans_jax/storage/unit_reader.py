@@ -15,7 +15,7 @@ from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit
 from knittrans_jax.storage.errors import CorruptUnitError
-from knittrans_jax.storage.images import hash_to_hex, id_function
+from knittrans_jax.storage.images import hash_to_hex, image_id
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import TrajMeta
 
@@ -26,9 +26,9 @@ class UnitReader:
     self.unit = L.check_unit_name(unit)
     self.schema = schema
     self._url = L.join(root, unit)
-    # The sequences' and rows' arrays depend on the unit's format: opened once it is read.
+    # The rows' array depends on the unit's format: opened once it is read.
     self._format: int | None = None
-    common = set(L.unit_arrays(self._url, schema)) - set(L.format_arrays(L.FORMAT_VERSION))
+    common = set(L.unit_arrays(self._url, schema)) - set(L.FORMAT_ARRAYS)
     try:
       self.arrays = L.open_unit_arrays(self._url, schema, create=False, names=common)
     except Exception as e:
@@ -38,7 +38,7 @@ class UnitReader:
     self._image_rows = np.zeros((0, L.IMG_COLS), np.int64)
     self._image_pos: dict[str, int] = {}
     self._row_refs: dict[int, np.ndarray] = {}  # row -> image-table indices (no-dedup stores)
-    self.image_hash = id_function(L.FORMAT_VERSION)  # that of the unit's format, once read
+    self.image_hash = image_id  # what every readable format keys images by
     self._dir = file_chunks.local_path(L.join(root, unit))  # None: not a file:// store
 
   def commit(self) -> Commit:
@@ -46,11 +46,10 @@ class UnitReader:
     if commit.format != self._format:
       try:
         self.arrays.update(L.open_unit_arrays(self._url, self.schema, False, commit.format,
-                                              names=L.format_arrays(commit.format)))
+                                              names=L.FORMAT_ARRAYS))
       except Exception as e:
-        raise CorruptUnitError(self.unit, f"cannot open its sequence or row arrays: {e}") from e
+        raise CorruptUnitError(self.unit, f"cannot open its row array: {e}") from e
       self._format = commit.format
-    self.image_hash = id_function(commit.format)
     return commit
 
   def _read(self, name: str, start: int, stop: int, batch=None) -> ts.Future:
@@ -64,8 +63,8 @@ class UnitReader:
 
   def read_flat(self, name: str, start: int, stop: int, batch=None,
                 checked_elsewhere: bool = False):
-    """A future of elements [start, stop) of a 1-D payload array (images/data; the
-    tokens, logprobs and loss_mask of format 1-2 units). A local unit is read straight from its chunk files
+    """A future of elements [start, stop) of a 1-D payload array (images/data).
+    A local unit is read straight from its chunk files
     (storage/file_chunks.py), at once, unless the array's crc32c must be verified
     here (`payload_checksum`, and the caller does not check the bytes itself); a
     missing chunk is then an error naming its file, unless the caller checks the
@@ -86,14 +85,9 @@ class UnitReader:
   def read_sequences(self, start: int, stop: int, batch=None):
     """A future of tokens [start, stop): (ids, log-probs, loss mask), one array each.
 
-    Format 3 reads each chunk of the planar `sequences` array once for all three:
-    straight from its file for a local unit (checking its crc32c, if it has one),
-    else whole chunks through TensorStore, split into planes here."""
-    if self._format is None:
-      self.commit()
-    if self._format < 3:
-      return _Joined([self.read_flat(name, start, stop, batch)
-                      for name in L.payload_arrays(self._format)])
+    Each chunk of the planar `sequences` array is read once for all three: straight
+    from its file for a local unit (checking its crc32c, if it has one), else whole
+    chunks through TensorStore, split into planes here."""
     array, dtypes = self.arrays["sequences"], [dt for _, dt in L.SEQ_FIELDS]
     chunk = array.chunk_layout.write_chunk.shape[0] // L.SEQ_BYTES
     if self._dir is not None:
@@ -253,19 +247,6 @@ class _Ready:
     if self._error is not None:
       raise self._error
     return self._value
-
-
-class _Joined:
-  """Futures of the three sequence arrays of a format 1-2 unit, as one."""
-
-  def __init__(self, futures):
-    self._futures = futures
-
-  def done(self) -> bool:
-    return all(f.done() for f in self._futures)
-
-  def result(self):
-    return tuple(f.result() for f in self._futures)
 
 
 class _Planes:

@@ -104,9 +104,6 @@ class UnitWriter:
   def commit(self) -> Commit:
     return self._commit
 
-  def has_image(self, image_id_: str) -> bool:
-    return image_id_ in self._image_index
-
   def append(self, trajectories: Sequence[Trajectory],
              images: Sequence[Image | np.ndarray] = ()) -> list[TrajMeta]:
     """Atomically appends trajectories (and new images) and returns their metadata.
@@ -179,7 +176,7 @@ class UnitWriter:
         rows[k, L.IMG_DTYPE] = L.IMAGE_DTYPES.index(im.dtype)
         rows[k, L.IMG_NDIM] = im.ndim
         rows[k, L.IMG_DIM0:L.IMG_DIM0 + im.ndim] = im.shape
-        index[iid] = n_img + k  # without dedup: the newest copy (has_image only)
+        index[iid] = n_img + k  # without dedup: the newest copy
       hashes = np.stack([hex_to_hash(iid) for iid, _ in new_images])
       futures += [write("images/data", img_bytes, np.concatenate(blobs)),
                   write("images/index", n_img, rows), write("images/hash", n_img, hashes)]

@@ -1,4 +1,4 @@
-"""Sharded, jitted step functions: per-micro-batch gradients, accumulation, update.
+"""Sharded, jitted step functions: per-micro-batch gradients accumulated, then the update.
 
     fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, rules)
     acc, sums = fns.zero_grads(state.params), fns.zero_sums(batch_like)
@@ -15,9 +15,7 @@ parameters, nothing on the host.
 `total_tokens` is the number of loss tokens in the whole mini-batch, over every
 micro-batch and consumer, so the accumulated gradient is that of a true global
 token mean. Gradient and metric sums stay on the devices (both donated to the next
-micro-batch): nothing comes back to the host inside a mini-batch. `grad_step` +
-`accumulate` are the same in two calls; `scan_step` does it over a stacked
-mini-batch with lax.scan.
+micro-batch): nothing comes back to the host inside a mini-batch.
 """
 from __future__ import annotations
 
@@ -56,9 +54,6 @@ class StepFunctions:
     self._sum_shapes = {}  # batch shapes -> the metric sums' shapes
     repl = replicated(mesh)
     self._grad_sh = shardings.params
-    self.accumulate = jax.jit(lambda acc, g: jax.tree.map(jnp.add, acc, g),
-                              in_shardings=(self._grad_sh, self._grad_sh),
-                              out_shardings=self._grad_sh, donate_argnums=0)
     self.apply_step = jax.jit(self._apply, in_shardings=(shardings, self._grad_sh),
                               out_shardings=(shardings, repl), donate_argnums=0)
     self.zero_grads = jax.jit(  # fp32 accumulator shaped and sharded like the params
@@ -110,33 +105,7 @@ class StepFunctions:
     metrics = {"grad_norm": optax.tree.norm(grads)}
     return TrainState(params, opt_state, state.version + 1, state.rng), metrics
 
-  def _scan(self, state, stacked, total_tokens):
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, wide(p.dtype)), state.params)
-
-    def body(carry, micro):
-      acc, sums = carry
-      grads, s = self._micro(state.params, micro, total_tokens, state.version)
-      return (jax.tree.map(jnp.add, acc, grads), merge_sums(sums, s)), None
-
-    first = jax.tree.map(lambda x: x[0], stacked)
-    sums0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(
-        lambda: self._micro(state.params, first, total_tokens, state.version)[1]))
-    (grads, sums), _ = jax.lax.scan(body, (zeros, sums0), stacked)
-    new_state, metrics = self._apply(state, grads)
-    return new_state, {**metrics, **sums}
-
   # -- jitted entry points (compiled per batch shape) -------------------------
-  def grad_step(self, state: TrainState, batch: dict, total_tokens):
-    """Gradients (fp32, sharded like params) of one micro-batch and its metric sums."""
-    key = ("grad", tuple(sorted((k, v.shape) for k, v in batch.items())))
-    if key not in self._jitted:
-      repl = replicated(self.mesh)
-      self._jitted[key] = jax.jit(
-          lambda st, b, n: self._micro(st.params, b, n, st.version),
-          in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, batch), repl),
-          out_shardings=(self._grad_sh, repl))
-    return self._jitted[key](state, batch, jnp.float32(total_tokens))
-
   def zero_sums(self, state: TrainState, batch: dict, ref=None):
     """Device zeros shaped like one micro-batch's metric sums."""
     key = (tuple(sorted((k, v.shape) for k, v in batch.items())), ref is not None)
@@ -173,14 +142,3 @@ class StepFunctions:
           micro, in_shardings=shardings + ((self._grad_sh,) if reference else ()),
           out_shardings=(self._grad_sh, repl), donate_argnums=(1, 2))
     return self._jitted[key]
-
-  def scan_step(self, state: TrainState, stacked: dict, total_tokens):
-    """One optimizer step over a stacked mini-batch [K, B, ...] (lax.scan)."""
-    key = ("scan", tuple(sorted((k, v.shape) for k, v in stacked.items())))
-    if key not in self._jitted:
-      repl = replicated(self.mesh)
-      self._jitted[key] = jax.jit(
-          self._scan, in_shardings=(self.shardings, batch_shardings(self.mesh, self.rules, stacked,
-                                                                    stacked=True), repl),
-          out_shardings=(self.shardings, repl), donate_argnums=0)
-    return self._jitted[key](state, stacked, jnp.float32(total_tokens))
