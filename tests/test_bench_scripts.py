@@ -228,7 +228,7 @@ def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
                          "configs/text_grpo_test.gin", "--config",
                          "tb: JobConfig.policy = 'train_batch'; JobConfig.window = 8",
                          "--config", "cp: JobConfig.policy = 'constraint_preserving'",
-                         "--repeats", "2", "--train_batches", "3", "--skip_train_batches", "1",
+                         "--repeats", "2", "--train_batches", "2", "--skip_train_batches", "1",
                          "--json", str(out)], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())

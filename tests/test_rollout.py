@@ -23,13 +23,16 @@ def test_sampler_logprobs_match_the_training_forward(temperature):
   prompts = [rng.integers(2, 64, int(rng.integers(3, 9))).astype(np.int32) for _ in range(6)]
   cfg = SamplerConfig(max_new_tokens=12, temperature=temperature, stop_tokens=(1,))
   out = generate(graphdef, params, prompts, jax.random.key(1), cfg)
-  for p, (resp, lp) in zip(prompts, out):
+  seqs = [np.concatenate([p, resp]) for p, (resp, _) in zip(prompts, out)]
+  L = max(map(len, seqs))  # right-padded: causal attention keeps each row's prefix exact
+  padded = jnp.asarray(np.stack([np.pad(s, (0, L - len(s))) for s in seqs]))
+  valid = jnp.asarray(np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None])
+  ref = np.asarray(jax.jit(lambda t, v: token_logprobs(
+      nnx.merge(graphdef, params)(t, v) / temperature, t)[0])(padded, valid))
+  for i, (p, (resp, lp)) in enumerate(zip(prompts, out)):
     assert 1 <= resp.size <= 12 and lp.shape == resp.shape
     assert (resp[:-1] != 1).all()  # stops at the first stop token
-    seq = np.concatenate([p, resp])[None]
-    logits = model(jnp.asarray(seq), jnp.ones_like(seq, bool))
-    ref, _ = token_logprobs(logits / temperature, jnp.asarray(seq))
-    np.testing.assert_allclose(lp, np.asarray(ref)[0, p.size:], atol=2e-5)
+    np.testing.assert_allclose(lp, ref[i, p.size:p.size + resp.size], atol=2e-5)
 
 
 def test_top_p_keeps_only_the_nucleus():
@@ -153,11 +156,14 @@ def test_vlm_sampler_logprobs_match_the_training_forward():
   cfg = SamplerConfig(max_new_tokens=6, temperature=1.0, stop_tokens=(1,))
   out = generate(graphdef, params, prompts, jax.random.key(2), cfg, images=images,
                  image_index=index)
-  for p, i, (resp, lp) in zip(prompts, index, out):
-    seq = np.concatenate([p, resp])[None]
-    logits = model(jnp.asarray(images[i:i + 1]), jnp.asarray(seq), jnp.ones_like(seq, bool))
-    ref, _ = token_logprobs(logits, jnp.asarray(seq))
-    np.testing.assert_allclose(lp, np.asarray(ref)[0, p.size:], atol=2e-5)
+  seqs = [np.concatenate([p, resp]) for p, (resp, _) in zip(prompts, out)]
+  L = max(map(len, seqs))  # right-padded: one jitted forward for every row
+  padded = jnp.asarray(np.stack([np.pad(s, (0, L - len(s))) for s in seqs]))
+  valid = jnp.asarray(np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None])
+  ref = np.asarray(jax.jit(lambda im, t, v: token_logprobs(
+      nnx.merge(graphdef, params)(im, t, v), t)[0])(jnp.asarray(images[index]), padded, valid))
+  for k, (p, (resp, lp)) in enumerate(zip(prompts, out)):
+    np.testing.assert_allclose(lp, ref[k, p.size:p.size + resp.size], atol=2e-5)
   # The image matters: the same prompt with another image gives other log-probs.
   seq = np.concatenate([prompts[0], out[0][0]])[None]
   other = model(jnp.asarray(images[1:2]), jnp.asarray(seq), jnp.ones_like(seq, bool))

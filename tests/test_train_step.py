@@ -135,6 +135,7 @@ def test_kl_against_a_reference_policy_by_hand():
   acc, sums = fns.micro_step(state, fns.zero_grads(state.params),
                              fns.zero_sums(state, batch, ref), batch, total, ref)
 
+  @jax.jit  # the hand computation compiled once, not run op by op
   def logp(params):
     logits = nnx.merge(fns.graphdef, params)(jnp.asarray(batch["tokens"]),
                                              jnp.asarray(batch["attention_mask"]))
@@ -150,7 +151,7 @@ def test_kl_against_a_reference_policy_by_hand():
   def objective(params):
     return ppo_loss_sum(logp(params)[0], hand, cfg)[0] / total
 
-  want = jax.grad(objective)(state.params)
+  want = jax.jit(jax.grad(objective))(state.params)
   assert _max_rel(to_numpy(acc), to_numpy(want)) < 1e-4
   no_kl, _ = build("dp")
   _, base = no_kl.micro_step(state, no_kl.zero_grads(state.params), no_kl.zero_sums(state, batch),
