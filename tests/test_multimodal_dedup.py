@@ -172,6 +172,7 @@ def test_dedup_gradient_equals_naive_fp32_and_encodes_once(layout):
     keep.backbone(state.params, enc, acc, acc_e, naive[0], total)
 
 
+@pytest.mark.slow
 def test_dedup_gradient_equals_naive_x64():
   # One layout here (the fp32 test covers both layouts and both residual modes):
   # float64 shows the gradient is exact, not merely close.

@@ -58,6 +58,7 @@ def test_available_says_why_not(monkeypatch):
 
 
 @needs_hosts
+@pytest.mark.slow
 def test_hosts_reach_each_other_and_nothing_else(tmp_path):
   """The hosts' only network: each other's addresses. Unplugging cuts one off;
   killing a host ends its processes; leaving removes every namespace, and a crashed
@@ -187,6 +188,7 @@ def ray_hosts_run(tmp_path_factory):
 
 
 @needs_hosts
+@pytest.mark.slow
 def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
   r = ray_hosts_run
   work = r["work"]
@@ -207,12 +209,14 @@ def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
 
 
 @needs_hosts
+@pytest.mark.slow
 def test_a_client_without_the_token_is_refused(ray_hosts_run):
   assert "InvalidAuthToken" in ray_hosts_run["refused"], ray_hosts_run["refused"][-2000:]
   assert "answered" in ray_hosts_run["allowed"], ray_hosts_run["allowed"][-2000:]
 
 
 @needs_hosts
+@pytest.mark.slow
 def test_a_cut_link_is_detected_within_10_s_and_its_groups_redispatched(ray_hosts_run):
   r = ray_hosts_run
   assert r["cut"] is not None and r["detected"] is not None, r["output"][-4000:]

@@ -229,6 +229,7 @@ def test_encode_once_gradient_equals_naive_fp32(checkpoint, data, naive_fp32, la
                   {**micros[0][0], "pixel_values": pixels["img0"]}, total)
 
 
+@pytest.mark.slow
 def test_encode_once_gradient_equals_naive_x64(checkpoint, data):
   # float64 parameters and activations: the gradient is exact, not merely close.
   plan, tokens, pixels = data

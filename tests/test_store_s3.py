@@ -132,6 +132,7 @@ def test_concurrent_writers_on_s3(s3_url, tmp_path):
   assert out.trained == out.written and not out.errors, out.errors
 
 
+@pytest.mark.slow
 def test_job_on_s3_trainer_killed_then_resumed(s3_url, tmp_path):
   """The tiny text job with its store on s3: its rollout workers and the resumed
   trainer reach the store by URL; every trajectory is trained once, nothing lost."""

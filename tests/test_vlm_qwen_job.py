@@ -50,6 +50,7 @@ def run(checkpoint, tmp_path_factory):
   return work
 
 
+@pytest.mark.slow
 def test_vlm_qwen_job_end_to_end(run):
   summary = json.load(open(run / "summary.json"))
   recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
@@ -72,6 +73,7 @@ def test_vlm_qwen_job_end_to_end(run):
                for im in payload.images.values())
 
 
+@pytest.mark.slow
 def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   """One mini-batch of the run (2 groups, 2 consumers, so an image straddles them)
   through the job's trainer both ways: the same gradient to fp32 round-off."""
