@@ -59,7 +59,12 @@ def bench(nbytes: int, reps: int, seed: int = 0) -> dict:
   for _ in range(reps):  # interleaved: machine noise hits every function alike
     for name, fn in fns.items():
       times[name].append(_median_s(fn, 1))
-  out = {"image_MB": nbytes / 1e6, "reps": reps, "cpu_count": os.cpu_count(),
+  # What each timed function produced, so a reader (and the test) can check that the
+  # functions timed are the named ones, on these bytes: the image is rng(seed)'s.
+  digests = {name: (fn().hex() if isinstance(fn(), bytes) else str(fn()))
+             for name, fn in fns.items() if name != "memcpy"}
+  out = {"image_MB": nbytes / 1e6, "reps": reps, "cpu_count": os.cpu_count(), "seed": seed,
+         "digests": digests, "memcpy_equal": bool(np.array_equal(dst, data)),
          "MBps": {name: nbytes / 1e6 / statistics.median(t) for name, t in times.items()},
          "ms_per_image": {name: 1e3 * statistics.median(t) for name, t in times.items()}}
   return out

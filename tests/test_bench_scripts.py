@@ -55,6 +55,20 @@ def test_bench_image_hash_writes_its_json(tmp_path):
   for name in ("blake2b_128", "xxh3_128", "image_id", "memcpy"):
     assert result["MBps"][name] > 0 and result["ms_per_image"][name] > 0, name
   assert result["image_MB"] == pytest.approx(0.1) and "xxh3_128" in proc.stdout
+  # The functions timed are the ones named, on the image's bytes: their outputs are
+  # the reference libraries' on the same array, and the copy is a copy.
+  import hashlib
+  import zlib
+
+  import numpy as np
+  import xxhash
+  from knittrans_jax.storage import image_id
+  data = np.random.default_rng(result["seed"]).integers(0, 256, 100_000, dtype=np.uint8)
+  d = result["digests"]
+  assert d["blake2b_128"] == hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest()
+  assert d["xxh3_128"] == xxhash.xxh3_128(data.tobytes()).hexdigest()
+  assert d["crc32"] == str(zlib.crc32(data.tobytes())) and d["image_id"] == image_id(data)
+  assert result["memcpy_equal"] is True
 
 
 def test_bench_admission_writes_its_json(tmp_path):
