@@ -45,7 +45,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   model_cfg = model_config(cfg)
   mesh_cfg = MeshConfig()
   mesh = make_mesh(mesh_cfg)
-  tx = make_optimizer(OptimizerConfig())
+  # The job's optimizer (its state is part of the checkpoint), total_steps as it derived them.
+  tx = make_optimizer(OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches))
   graphdef, target, _ = train_state_shapes(lambda r: make_model(model_cfg, None, r), tx, mesh,
                                           mesh_cfg.rules)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"))

@@ -1,20 +1,11 @@
-"""Payload -> the static-shape arrays a train step takes (host numpy, right-padded)."""
+"""Payload -> the static-shape arrays a train step takes (host numpy, right-padded):
+the trainer's side. The advantages it places come from the planner
+(rl/advantages.group_advantages_by_id, over metadata)."""
 from __future__ import annotations
 
 import numpy as np
 
-from knittrans_jax.rl.advantages import group_advantages
 from knittrans_jax.types import Payload
-
-
-def group_advantages_by_id(groups, normalize_std: bool = True) -> dict:
-  """{trajectory id: advantage} from each admitted group's rewards (GRPO)."""
-  out = {}
-  for grp in groups:
-    rewards = np.array([m.reward for m in grp.metas], np.float32)
-    adv = group_advantages(rewards, len(rewards), normalize_std)
-    out.update({m.id: float(a) for m, a in zip(grp.metas, adv)})
-  return out
 
 
 def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> dict:

@@ -13,8 +13,8 @@ import dataclasses
 import math
 
 from knittrans_jax.dataplane import plan_micro_batches
-from knittrans_jax.job.batching import group_advantages_by_id
 from knittrans_jax.multimodal.image_plan import ImagePlan, plan_images
+from knittrans_jax.rl.advantages import group_advantages_by_id
 from knittrans_jax.types import MiniBatch, TrajMeta
 
 

@@ -21,3 +21,14 @@ def group_advantages(rewards, group_size: int, normalize_std: bool = True, eps: 
   if normalize_std:
     centred = centred / (g.std(axis=1, keepdims=True) + eps)
   return centred.reshape(-1)
+
+
+def group_advantages_by_id(groups, normalize_std: bool = True) -> dict:
+  """{trajectory id: advantage} from each admitted group's rewards (GRPO), over the
+  groups' metadata alone (the step planner's side, job/work.py)."""
+  out = {}
+  for grp in groups:
+    rewards = np.array([m.reward for m in grp.metas], np.float32)
+    adv = group_advantages(rewards, len(rewards), normalize_std)
+    out.update({m.id: float(a) for m, a in zip(grp.metas, adv)})
+  return out
