@@ -143,7 +143,7 @@ def consumer(rank, store_url, works, seq, depth, conn, results, go, ready):
       t.step(w)
     jax.block_until_ready(t.state)
     total = time.perf_counter() - t0
-    stats = t.reader.stats
+    stats = t.stream.stats
     out = {"exposed_s": stats.exposed_wait_s, "raw_transfer_s": stats.raw_transfer_s,
            "total_s": total, "first_wait_s": stats.waits[0]}
     if mode == "baseline":  # nothing overlaps compute: the transfer phase is all exposed
@@ -154,7 +154,7 @@ def consumer(rank, store_url, works, seq, depth, conn, results, go, ready):
       out["raw_transfer_s"] = (stats.raw_transfer_s - pipe.stats["wait_s"]
                                + pipe.stats["recv_s"] + pipe.stats["unpickle_s"])
     else:
-      out["bytes"] = stats.bytes_read
+      out["bytes"] = t.reads.stats.bytes_read
     t.close()
     results.put((mode, rank, out))
 

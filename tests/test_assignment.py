@@ -83,3 +83,26 @@ def test_assignment_errors():
     plan_micro_batches(mb, 2, 2, {"u": "h"}, ["h"])
   with pytest.raises(ValueError, match="carry no trajectory metadata"):
     plan_micro_batches(MiniBatch(0, 0, (GroupInfo(1, "math", 10, 0),), 0), 1, 1)
+
+
+def test_the_job_planner_passes_hosts_through_and_reports_locality():
+  """StepPlanner (job/work.py) is what the job calls: with the consumers' hosts and
+  the units' hosts it plans the same rows as plan_micro_batches with them, and
+  reports the local fraction; without hosts it says it does not know (None)."""
+  from knittrans_jax.job.work import StepPlanner
+  rng = random.Random(1)
+  units = [f"u{k}" for k in range(8)]
+  mb = mini_batch(rng, 64, 4, units)
+  hosts = {u: f"h{k % 4}" for k, u in enumerate(units)}
+  consumer_host = tuple(f"h{c}" for c in range(4))
+  work = StepPlanner(4, 32, consumer_host=consumer_host, unit_host=hosts.__getitem__)(mb)
+  direct = plan_micro_batches(mb, 4, 8, hosts, consumer_host)
+  assert work.consumers == direct.consumers and work.local_fraction == direct.local_fraction
+  local = sum(hosts[m.unit] == consumer_host[c] for c, cons in enumerate(work.consumers)
+              for micro in cons for m in micro) / 256
+  assert work.local_fraction == local > 0.6
+  blind = StepPlanner(4, 32)(mb)
+  assert blind.local_fraction is None and blind.consumers == plan_micro_batches(mb, 4, 8).consumers
+  off = StepPlanner(4, 32, consumer_host=consumer_host, unit_host=hosts.__getitem__,
+                    locality_tolerance=0.0)(mb)
+  assert off.local_fraction < work.local_fraction

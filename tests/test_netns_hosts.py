@@ -206,6 +206,13 @@ def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
   assert f"coordinator {nodes['trainer0'][0]}:" in r["output"]
   trainers = [json.loads((work / "logs" / f"trainer{p}.json").read_text()) for p in (0, 1)]
   assert [t["processes"] for t in trainers] == [2, 2]
+  # Locality: the planner knows each trainer's node and the node each unit's actor
+  # registered. rollout actor 0's unit is on head, so head's trainer reads some of its
+  # rows locally; trainer1's host holds no unit, so its trainer reads nothing locally.
+  on = {nodes[f"trainer{p}"][0]: t for p, t in enumerate(trainers)}
+  assert on[a["head"]]["bytes_local"] > 0 and on[a["trainer1"]]["bytes_local"] == 0
+  assert all(t["bytes_local"] <= t["bytes_read"] for t in trainers)
+  assert summary["local_fraction"] > 0 and all(rec["local_fraction"] is not None for rec in recs)
 
 
 @needs_hosts

@@ -149,12 +149,12 @@ def test_the_next_mini_batch_is_read_before_its_step_is_called(text_store):
   # w1 was fed before w0 trained: its first micro-batch is read (and on the devices)
   # before step(w1) asks for it; a reader started per mini-batch could not.
   deadline = time.time() + 30
-  while not trainer.reader.ready() and time.time() < deadline:
+  while not trainer.stream.ready() and time.time() < deadline:
     time.sleep(0.01)
-  assert trainer.reader.ready()
-  taken = trainer.reader.stats.micro_batches
+  assert trainer.stream.ready()
+  taken = trainer.stream.stats.taken
   trainer.step(w1)
-  assert trainer.reader.stats.micro_batches == taken + w1.num_micro_batches
+  assert trainer.stream.stats.taken == taken + w1.num_micro_batches
   with pytest.raises(RuntimeError, match=r"step \(2, 0\) was not prefetched"):
     trainer.pending((2, 0))
   trainer.close()
@@ -207,4 +207,4 @@ def test_encode_once_quarantines_a_damaged_image_chunk(tmp_path):
   assert sums["tokens"] == work.total_tokens - sum(m.response_len for m in lost)
   assert {m.id for m in lost} <= set(q.bad_rows) and np.isfinite(grad_norm)
   trainer.close()
-  assert not trainer.reader._thread.is_alive()
+  assert not trainer.stream.alive()

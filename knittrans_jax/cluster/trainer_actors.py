@@ -62,13 +62,16 @@ class TrainerActor:
     from knittrans_jax.job.run import Job  # registers every configurable the config names
     gin.clear_config()
     gin.parse_config(gin_config)
-    self.job = Job(self.workdir, resume, store_url=store_url, consumers=consumers, role="trainer")
+    # The node's address: what the rollout actors register their units under.
+    self.job = Job(self.workdir, resume, store_url=store_url, consumers=consumers, role="trainer",
+                   host=ray.util.get_node_ip_address())
     self.trainer = t = self.job.trainer
     if self.rank == 0:  # what the trainers used (the driver's operative config lacks it)
       gin_cli.save_operative_config(self.workdir, "operative_config_trainer.gin")
     return dict(version=t.version, progress=self.job.restored_progress,
                 rows_multiple=self.job.rows_multiple, encode_once=t.encode_once is not None,
-                devices=[str(d) for d in self.job.mesh.devices.flat])
+                devices=[str(d) for d in self.job.mesh.devices.flat], host=self.job.host,
+                consumers=list(t.mine))
 
   def prefetch(self, work) -> None:
     self.trainer.prefetch(work)
@@ -155,6 +158,8 @@ class RayTrainerGroup:
     info = infos[0]
     self.version, self.progress = info["version"], info["progress"]
     self.rows_multiple, self.encode_once = info["rows_multiple"], info["encode_once"]
+    host_of = {c: i["host"] for i in infos for c in i["consumers"]}
+    self.consumer_host = tuple(host_of[c] for c in range(consumers))  # the planner's locality
     log(f"{T} trainer actor(s), coordinator {coordinator or 'auto-detected'}, "
         f"{len(info['devices'])} devices")
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from knittrans_jax.dataplane.reader import ReaderStats
+from knittrans_jax.dataplane.reader import ReadStats
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.types import Payload, TrajMeta
 
@@ -96,54 +96,38 @@ def payload_read(payloads: Sequence[Payload]) -> Callable[[Sequence[TrajMeta], A
   return read
 
 
-class CentralizedReader:
-  """The baseline behind the streaming reader's interface (dataplane/reader.py):
-  a segment's whole payload is fetched when its first item is taken, then each
-  micro-batch is prepared and put on the devices when taken. Nothing overlaps
-  compute, so all of it is exposed wait."""
+class CentralizedReads:
+  """The baseline behind the on-demand reads' interface (dataplane/reader.py): a
+  segment's whole payload is fetched (`fetch(plan)`) when its first micro-batch (or
+  its image slots) is asked for; later micro-batches come from what was received."""
 
-  def __init__(self, fetch: Callable[[Sequence[Sequence[TrajMeta]]], list[Payload]],
-               put: Callable[[Any], Any] | None = None):
-    self.fetch, self.put = fetch, put
-    self.stats = ReaderStats()
-    self._segments: collections.deque = collections.deque()
-    self._items: collections.deque = collections.deque()  # thunks of the current segment
+  def __init__(self, fetch: Callable[[Sequence[Sequence[TrajMeta]]], list[Payload]]):
+    self.fetch = fetch
+    self.stats = ReadStats()
 
-  def feed(self, plan, prepare, read_images: bool | None = None, first=None) -> None:
-    self._segments.append(([list(m) for m in plan], prepare, first))
+  def segment(self, plan: Sequence[Sequence[TrajMeta]], read_images: bool = True):
+    return _FetchedSegment(self, [list(m) for m in plan])
 
-  def ready(self) -> bool:
-    return False  # nothing is read ahead
 
-  def take(self):
-    t0 = time.perf_counter()
-    if not self._items:
-      if not self._segments:
-        raise RuntimeError("take(): nothing fed; feed() first")
-      plan, prepare, first = self._segments.popleft()
-      payloads = self.fetch(plan)
-      self.stats.bytes_read += sum(p.nbytes for p in payloads)
-      if first is not None:
-        read = payload_read(payloads)
-        self._items.append(lambda: first(read))
-      for p in payloads:
-        self.stats.rows_read.update(m.id for m in p.metas)
-        self._items.append(lambda p=p, prepare=prepare: self._prepare(prepare, p))
-    item = self._items.popleft()()
-    waited = time.perf_counter() - t0
-    self.stats.exposed_wait_s += waited
-    self.stats.raw_transfer_s += waited
-    self.stats.waits.append(waited)
-    self.stats.micro_batches += 1
-    return item
+class _FetchedSegment:
+  def __init__(self, reads: CentralizedReads, plan: list[list[TrajMeta]]):
+    self.reads, self.plan, self._payloads = reads, plan, None
 
-  def _prepare(self, prepare, payload):
-    batch = prepare(payload)
-    return self.put(batch) if self.put is not None else batch
+  def _fetched(self) -> list[Payload]:
+    if self._payloads is None:
+      self._payloads = self.reads.fetch(self.plan)
+      stats = self.reads.stats
+      stats.bytes_read += sum(p.nbytes for p in self._payloads)
+      for p in self._payloads:
+        stats.rows_read.update(m.id for m in p.metas)
+    return self._payloads
 
-  def close(self) -> None:
-    self._segments.clear()
-    self._items.clear()
+  def micro_batch(self, k: int) -> Payload:
+    return self._fetched()[k]
+
+  def read(self, metas, skip_images=()) -> Payload:
+    """A raw read over the fetched payloads (the encode-once image slots)."""
+    return payload_read(self._fetched())(metas, skip_images)
 
 
 class PipeFetch:

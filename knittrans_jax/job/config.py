@@ -74,6 +74,9 @@ class JobConfig:
   store_url: str | None = None
   prefetch_depth: int = 2  # micro-batches read ahead of the step
   data_path: str = "ondemand"  # or 'centralized' (the baseline)
+  # A row may go to a consumer on its unit's host if that keeps every consumer's
+  # tokens within this fraction of the mean (dataplane/assignment.py); 0: never.
+  locality_tolerance: float = 0.05
   suite: str = "text"  # or 'vision'
   encode_once: bool = True
   consumers: int | None = None
@@ -94,6 +97,9 @@ class JobConfig:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
                        f"the mini-batch's {rows} trajectories (g = {spec.mini_batch_groups} x "
                        f"n = {spec.group_size})")
+    if not 0 <= self.locality_tolerance < 1:
+      raise ValueError(f"JobConfig.locality_tolerance = {self.locality_tolerance}: use a "
+                       "fraction in [0, 1)")
     if self.data_path not in ("ondemand", "centralized"):
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
     if self.suite not in ("text", "vision", "math"):

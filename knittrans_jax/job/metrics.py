@@ -77,8 +77,9 @@ class MetricsLog:
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
            admitted_tokens: int | None = None, evaluation: dict | None = None,
-           eval_s: float = 0.0) -> None:
-    """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time."""
+           eval_s: float = 0.0, local_fraction: float | None = None) -> None:
+    """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time.
+    local_fraction: the step's rows planned onto a consumer on their unit's host."""
     self.eval_s += eval_s
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
@@ -103,6 +104,7 @@ class MetricsLog:
         # Loss tokens admitted but not trained (rows of a quarantined unit), all processes.
         "tokens_skipped": (int(round(admitted_tokens - sums.get("tokens", 0.0)))
                            if admitted_tokens is not None else 0),
+        "local_fraction": local_fraction,
         "time_s": time.perf_counter() - self.t0, "eval_s": self.eval_s,
     }
     self.records.append(rec)
@@ -148,6 +150,9 @@ class MetricsLog:
         "quota_violations": self.quota_violations(), "steps": steps,
         "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
         "trajectories": self.trajectories, "eval_s": self.eval_s,
+        "local_fraction": (float(np.mean(local)) if (local := [
+            r["local_fraction"] for r in self.records if r.get("local_fraction") is not None])
+            else None),
         # The engine's log-probs against the trainer's at version lag 0, over the run.
         "logprob_abs_diff_mean": (sum(r["logprob_abs_diff_mean"] * r["lag0_tokens"] for r in lag0)
                                   / n0 if n0 else None),

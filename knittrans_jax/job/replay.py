@@ -64,7 +64,7 @@ def replay(run_dir: str, workdir: str, consumers: int) -> Job:
       v_consume = job.trainer.version
       sums, grad_norm = job.trainer.step(work).fetch()
       job.log.step(mb, [m for grp in mb.groups for m in grp.metas], v_consume, sums, grad_norm,
-                   admitted_tokens=work.total_tokens)
+                   admitted_tokens=work.total_tokens, local_fraction=work.local_fraction)
   finally:
     job.trainer.finish(job.workdir)
     job.log.close()

@@ -26,7 +26,9 @@ import collections
 import dataclasses
 import json
 import os
+import functools
 import signal
+import socket
 import sys
 import time
 
@@ -101,19 +103,23 @@ ROLES = ("local", "driver", "trainer")
 class Job:
 
   def __init__(self, workdir: str, resume: bool = False, store_url: str | None = None,
-               consumers: int | None = None, role: str = "local", ray_cfg=None):
+               consumers: int | None = None, role: str = "local", ray_cfg=None,
+               host: str | None = None):
     """`store_url` / `consumers` override JobConfig's (job/replay.py trains another
     run's store, planned over that run's consumers).
 
     role: 'local' (the controller and the trainer in this process), 'driver' (the
     controller; trainer actors on Ray, RayConfig `ray_cfg`) or 'trainer' (a Ray
-    trainer actor, process p of jax.distributed: the trainer only)."""
+    trainer actor, process p of jax.distributed: the trainer only). host: this
+    process's host as the rollout workers name theirs in the store (a Ray node's
+    address; by default the hostname, what a local worker registers)."""
     if role not in ROLES:
       raise ValueError(f"role = {role!r}: use one of {ROLES}")
     self.workdir = os.path.abspath(workdir)
     os.makedirs(self.workdir, exist_ok=True)
     self.cfg = cfg = JobConfig()
     self.role = role
+    self.host = host or socket.gethostname()
     if role == "driver":
       self.process, self.processes = 0, ray_cfg.trainers
     else:
@@ -176,6 +182,8 @@ class Job:
           max_response_len=self.sampler_cfg.max_new_tokens))
     else:
       self.store = TrajectoryStore.open(self.store_url)
+    # A unit's host as its writer registered it, looked up once per unit.
+    self.unit_host = functools.lru_cache(maxsize=None)(self.store.unit_host)
     self.log, self.evaluator = None, None
     if role == "driver":
       if cfg.mode == "colocated":
@@ -191,7 +199,7 @@ class Job:
     else:
       self.trainer, progress = self._build_trainer(resume)
       self.restored_progress = progress
-      self.trainers = LocalTrainer(self.trainer, self.workdir)
+      self.trainers = LocalTrainer(self.trainer, self.workdir, self.host)
       encode_once = self.trainer.encode_once is not None
     if self.controller_process:
       spec = cfg.spec
@@ -199,7 +207,9 @@ class Job:
           self.consumers, cfg.micro_batch_size, self.loss_cfg.normalize_adv_std,
           image_slots=(encode_once_slots(self.rows_multiple, self.consumers,
                                          spec.mini_batch_groups)
-                       if encode_once else None))
+                       if encode_once else None),
+          consumer_host=self.trainers.consumer_host, unit_host=self.unit_host,
+          locality_tolerance=cfg.locality_tolerance)
       self.progress = ControllerState.from_json(progress) if progress else ControllerState()
       policy = make_policy(cfg.policy if cfg.mode == "disaggregated" else "train_batch", spec)
       # Prompt sources in quota-exact blocks of G, ordered by the dispatch policy.
@@ -320,7 +330,8 @@ class Job:
     # A damaged unit is quarantined, not fatal: its readable rows and every other
     # unit still train; skipped rows show as tokens_skipped in metrics.jsonl.
     self.quarantine = QuarantiningReader(self.store)
-    data = (OnDemand(self.store, cfg.prefetch_depth, read=self.quarantine.read)
+    data = (OnDemand(self.store, cfg.prefetch_depth, read=self.quarantine.read,
+                     unit_host=self.unit_host, host=self.host)
             if cfg.data_path == "ondemand" else Centralized(local_driver(self.store)))
     trainer = Trainer(
         fns, state, data, layout, range(self.process * per_process, (self.process + 1) * per_process),
@@ -470,7 +481,8 @@ class Job:
       if self.evaluator is not None and self.evaluator.due(trainers.version, target):
         evaluation = self.evaluator(self.trainer.state.params, trainers.version)
       self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens,
-                    evaluation=evaluation, eval_s=time.perf_counter() - t_eval)
+                    evaluation=evaluation, eval_s=time.perf_counter() - t_eval,
+                    local_fraction=work.local_fraction)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:

@@ -12,10 +12,12 @@ one or many processes (job/run.py, job/trainer_group.py), job/replay.py and both
 benchmarks (scripts/bench_transfer.py, scripts/bench_multimodal.py), so the figures
 time the code the job runs.
 
-Data: one reader for the whole run (dataplane/). `OnDemand`: a background thread
-reads this trainer's micro-batches straight from the storage units, fed the stream
-of plans, so the next mini-batch is read while the current one trains.
-`Centralized`: the baseline, a driver's slice fetched whole before compute.
+Data flows one way: the reads (dataplane/) return host data; this trainer pads and
+processes it and puts it on the devices. `OnDemand`: the trainer's prefetch stream
+(job/prefetch.py), one background thread for the whole run, reads this trainer's
+micro-batches straight from the storage units and prepares them, fed the stream of
+plans, so the next mini-batch is read while the current one trains. `Centralized`:
+the baseline, a driver's slice fetched whole before compute.
 
 Exposed wait: before taking a micro-batch that is not ready, the trainer first
 waits for the devices to finish the work already dispatched (compute could not
@@ -42,9 +44,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from knittrans_jax.dataplane import PrefetchingReader
-from knittrans_jax.dataplane.centralized import CentralizedReader
+from knittrans_jax.dataplane import OnDemandReads, describe
+from knittrans_jax.dataplane.centralized import CentralizedReads
 from knittrans_jax.job.batching import build_batch
+from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
 from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
                                       image_fields, read_owned_images, read_slot_images)
@@ -57,10 +60,14 @@ from knittrans_jax.types import Payload
 @dataclasses.dataclass(frozen=True)
 class OnDemand:
   """Each trainer reads its own micro-batches from the units, `depth` items ahead.
-  `read` replaces the store's read (a QuarantiningReader's, in the job)."""
+  `read` replaces the store's read (a QuarantiningReader's, in the job); with
+  `unit_host` (unit -> host) and this trainer's `host`, the bytes read from units on
+  this host are counted (logs/trainer{p}.json)."""
   store: TrajectoryStore
   depth: int = 2
   read: Callable | None = None
+  unit_host: Callable[[str], str] | None = None
+  host: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,10 +143,11 @@ class Trainer:
       raise ValueError(f"{processes} trainer processes: the Qwen-VL steps run in one trainer "
                        "process for now (each process would pack only its consumers' images)")
     if isinstance(data, OnDemand):
-      self.reader = PrefetchingReader(data.store, depth=data.depth, put=self._put, read=data.read,
-                                      read_images=encode_once is None)
-    else:
-      self.reader = CentralizedReader(data.fetch, put=self._put)
+      self.reads = OnDemandReads(data.store, read=data.read, unit_host=data.unit_host,
+                                 host=data.host)
+      self.stream = Prefetcher(data.depth)
+    else:  # nothing read ahead: the baseline's transfer is all exposed
+      self.reads, self.stream = CentralizedReads(data.fetch), Inline()
     self._fed: collections.deque[_Segment] = collections.deque()
     self._last = None  # the newest array the devices are computing
     self.read_ids: list[str] = []  # trajectories this trainer read (logs/trainer{p}.json)
@@ -147,11 +155,12 @@ class Trainer:
 
   # -- the entry point ----------------------------------------------------------------
   def prefetch(self, work: StepWork) -> None:
-    """Feeds the step's micro-batches to the reader: reads start now, in order."""
+    """Feeds the step's micro-batches to the stream: reads start now, in order."""
     seg = _Segment(work)
     micros = work.local_micro_batches(self.mine)
     self.read_ids.extend(m.id for micro in micros for m in micro)
-    first = None
+    reads = self.reads.segment(micros, read_images=self.encode_once is None)
+    jobs = []
     if self.encode_once is not None:
       if work.images is None:
         raise ValueError(f"step {work.key}: the encode-once trainer needs the work's image plan")
@@ -165,8 +174,11 @@ class Trainer:
       base = 0 if everyone else self.mine[0] * work.images.slots_per_consumer
       seg.slot_of = {m.id: work.images.index[c][k][i] - base for c in self.mine
                      for k, micro in enumerate(work.consumers[c]) for i, m in enumerate(micro)}
-      first = lambda read: self._read_slots(seg, read)  # noqa: E731
-    self.reader.feed(micros, lambda payload: self._prepare(seg, payload), first=first)
+      jobs.append(("the image slots", lambda: self._read_slots(seg, reads.read)))
+    # Each job runs on the stream's thread: read (host data), prepare, put on the devices.
+    jobs += [(describe(k, micro), lambda k=k: self._put(self._prepare(seg, reads.micro_batch(k))))
+             for k, micro in enumerate(micros)]
+    self.stream.feed(jobs)
     self._fed.append(seg)
 
   def pending(self, key: tuple[int, int]) -> StepWork:
@@ -209,9 +221,9 @@ class Trainer:
 
   # -- reading ------------------------------------------------------------------------
   def _take(self):
-    if self._last is not None and not self.reader.ready():
+    if self._last is not None and not self.stream.ready():
       jax.block_until_ready(self._last)  # waiting on compute is not waiting on data
-    return self.reader.take()
+    return self.stream.take()
 
   def _put(self, batch: dict) -> dict:
     if self._batch_sh is None or self._batch_sh.keys() != batch.keys():
@@ -287,7 +299,7 @@ class Trainer:
   def _report_quarantine(self) -> None:
     if self.quarantine is None:
       return
-    for unit, why in list(self.quarantine.quarantined.items()):  # the reader thread adds
+    for unit, why in list(self.quarantine.quarantined.items()):  # the stream's thread adds
       if unit not in self._warned:
         self._warned.add(unit)
         self.log(f"\nprocess {self.process}: storage unit {unit} quarantined ({why}); its "
@@ -311,14 +323,14 @@ class Trainer:
 
   @property
   def exposed_wait_s(self) -> float:
-    return self.reader.stats.exposed_wait_s
+    return self.stream.stats.exposed_wait_s
 
   @property
   def raw_transfer_s(self) -> float:
-    return self.reader.stats.raw_transfer_s
+    return self.stream.stats.raw_transfer_s
 
   def close(self) -> None:
-    self.reader.close()
+    self.stream.close()
 
   def finish(self, workdir: str | None = None) -> None:
     self.close()
@@ -332,5 +344,7 @@ class Trainer:
         json.dump({"process": self.process, "processes": self.processes,
                    "consumers": self.mine, "exposed_data_wait_s": self.exposed_wait_s,
                    "raw_transfer_s": self.raw_transfer_s, "read_ids": self.read_ids,
+                   "bytes_read": self.reads.stats.bytes_read,
+                   "bytes_local": self.reads.stats.bytes_local,
                    "quarantined_units": q.quarantined if q else {},
                    "skipped_rows": q.bad_rows if q else {}}, f)

@@ -11,8 +11,9 @@ from knittrans_jax.job.work import StepWork
 
 class LocalTrainer:
 
-  def __init__(self, trainer: Trainer, workdir: str):
+  def __init__(self, trainer: Trainer, workdir: str, host: str):
     self.trainer, self.workdir = trainer, workdir
+    self.consumer_host = (host,) * len(trainer.mine)  # every consumer is in this process
 
   @property
   def version(self) -> int:

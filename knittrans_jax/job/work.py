@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from knittrans_jax.dataplane import plan_micro_batches
 from knittrans_jax.multimodal.image_plan import ImagePlan, plan_images
@@ -28,6 +29,7 @@ class StepWork:
   advantages: dict[str, float]
   total_tokens: int
   images: ImagePlan | None = None
+  local_fraction: float | None = None  # rows read on their unit's host; None: hosts unknown
 
   @property
   def num_micro_batches(self) -> int:
@@ -45,11 +47,17 @@ class StepPlanner:
   """consumers: data-parallel consumers a mini-batch is split over; micro_batch_size:
   rows of one global micro-batch (all consumers); image_slots: for the encode-once
   step, (slot_multiple, min_slots) so every consumer's slots have one fixed shape
-  that splits over its batch shards; None for text or the naive step."""
+  that splits over its batch shards; None for text or the naive step.
+  consumer_host / unit_host: each consumer's host and a unit's host (the one its
+  writer registered); with both, a row goes to a consumer on its unit's host where
+  the token balance allows (dataplane/assignment.py)."""
   consumers: int
   micro_batch_size: int
   normalize_adv_std: bool = True
   image_slots: tuple[int, int] | None = None
+  consumer_host: tuple[str, ...] | None = None
+  unit_host: Callable[[str], str] | None = dataclasses.field(default=None, compare=False)
+  locality_tolerance: float = 0.05
 
   def __post_init__(self):
     if self.consumers <= 0 or self.micro_batch_size % self.consumers:
@@ -57,7 +65,9 @@ class StepPlanner:
                        f"= {self.micro_batch_size}")
 
   def __call__(self, mb: MiniBatch) -> StepWork:
-    plan = plan_micro_batches(mb, self.consumers, self.micro_batch_size // self.consumers)
+    plan = plan_micro_batches(mb, self.consumers, self.micro_batch_size // self.consumers,
+                              unit_host=self.unit_host, consumer_host=self.consumer_host,
+                              tolerance=self.locality_tolerance)
     metas = [m for grp in mb.groups for m in grp.metas]
     images = None
     if self.image_slots is not None:
@@ -66,7 +76,9 @@ class StepPlanner:
     return StepWork(key=(mb.train_batch, mb.index), consumers=plan.consumers,
                     advantages=group_advantages_by_id(mb.groups, self.normalize_adv_std),
                     # the loss tokens (mask 1) as the store counted them
-                    total_tokens=sum(m.trained_tokens for m in metas), images=images)
+                    total_tokens=sum(m.trained_tokens for m in metas), images=images,
+                    local_fraction=(plan.local_fraction if self.unit_host and self.consumer_host
+                                    else None))
 
 
 def encode_once_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:
