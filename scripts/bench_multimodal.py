@@ -60,8 +60,9 @@ def qwen_suite(a):
   """--model's vision inputs (rollout/qwen_vision_tasks.py), or None (the tiny VLM)."""
   if not a.model:
     return None
+  from knittrans_jax.models.vision_spec import VisionSpec
   from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
-  return QwenVisionTasks.from_checkpoint(a.model, a.image)
+  return QwenVisionTasks(VisionSpec.from_qwen_checkpoint(a.model, a.image))
 
 
 def build_store(root, args, seed=0):
@@ -145,7 +146,8 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
 
   from knittrans_jax.dataplane.centralized import PipeFetch
   from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
-  from knittrans_jax.models.vlm import VLM
+  from knittrans_jax.models.vision_spec import VisionSpec
+  from knittrans_jax.models.vlm import make_model
   from knittrans_jax.multimodal import EncodeOnceStep, EncoderCalls, naive_vlm_forward
   from knittrans_jax.rl import LossConfig
   from knittrans_jax.storage import TrajectoryStore
@@ -159,7 +161,9 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   qwen = qwen_suite(a)
   if qwen is None:
     vit, lm = vlm_configs(a)
-    graphdef, state0, sh = init_train_state(lambda r: VLM(vit, lm, r), tx, mesh, mesh_cfg.rules, 0)
+    spec = VisionSpec.tiny(vit)
+    graphdef, state0, sh = init_train_state(lambda r: make_model(lm, spec, r), tx, mesh,
+                                            mesh_cfg.rules, 0)
     naive_forward, path, seq, vocab = naive_vlm_forward, None, a.seq, VOCAB
   else:  # the checkpoint's weights, its tower per row (naive) or per unique image
     from flax import nnx
@@ -167,7 +171,9 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
     from knittrans_jax.models import qwen_vl
     from knittrans_jax.multimodal import QwenVLImages, naive_qwen_forward
     model, config = qwen_vl.load(a.model, "float32", mesh=mesh, rules=mesh_cfg.rules)
-    graphdef, state0, sh = init_train_state(qwen.make_model, tx, mesh, mesh_cfg.rules, 0,
+    spec = qwen.spec
+    graphdef, state0, sh = init_train_state(lambda r: make_model(None, spec, r), tx, mesh,
+                                            mesh_cfg.rules, 0,
                                             params=nnx.state(model, nnx.Param))
     naive_forward = lambda calls=None: naive_qwen_forward(qwen.grid, calls)  # noqa: E731
     path, seq, vocab = QwenVLImages(config.vision.merge), a.seq + qwen.prompt_len, \
@@ -178,8 +184,7 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   fns = fns_with(naive_forward())
   steps = {False: None, True: EncodeOnceStep(fns, path=path)}
   layout = BatchLayout(rows=a.micro, seq_len=seq, vocab_size=vocab,
-                       image_shape=(a.image, a.image, 3), qwen=qwen and qwen.inputs,
-                       image_grid=qwen and qwen.grid)
+                       vision=spec)
   store = TrajectoryStore.open(store_url)
   for unit in store.units():
     store.reader(unit)

@@ -164,7 +164,7 @@ def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_di
     np.save(os.path.join(npy_dir, f"{name}_whole.npy"), a)
   npsave_whole_s = time.perf_counter() - t0
   shutil.rmtree(npy_dir)
-  del arrays, whole
+  del arrays
 
   metas = TrajectoryStore.open(url).list_committed("bench")
   nbytes = sum(m.length for m in metas) * BYTES_PER_TOKEN
@@ -177,26 +177,41 @@ def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_di
   flat = [np.concatenate(payload.tokens), np.concatenate(payload.logprobs),
           np.concatenate(payload.loss_mask)]
   assert sum(a.nbytes for a in flat) == nbytes
+  # What was read is what was written, byte for byte (a benchmark that read the wrong
+  # rows, or nothing, fails here, and its JSON says so).
+  read_matches_written = all(np.array_equal(a, w) for a, w in zip(flat, whole))
+  del whole
   dst = [np.empty_like(a) for a in flat]
   # Interleaved, so that machine noise hits the read and the copies alike.
-  read_times, copy_times, prealloc_times = [], [], []
+  read_times, copy_times, prealloc_times, read_bytes = [], [], [], []
+
+  def timed_read():
+    read_bytes.append(reader.read(metas).result().nbytes)  # what each timed read returned
+
   for _ in range(reps):
-    read_times += _timeit(lambda: reader.read(metas).result(), 1)
+    read_times += _timeit(timed_read, 1)
     copy_times += _timeit(lambda: [a.copy() for a in flat], 1)
     prealloc_times += _timeit(lambda: [np.copyto(d, a) for d, a in zip(dst, flat)], 1)
 
-  micro_bytes, micro_s = 0, 0.0
+  micro_bytes, micro_s, micro_returned = 0, 0.0, 0
   for _ in range(micro_reps):
     pick = [metas[i] for i in rng.choice(len(metas), 16, replace=False)]
     t0 = time.perf_counter()
-    reader.read(pick).result()
+    got = reader.read(pick).result()
     micro_s += time.perf_counter() - t0
     micro_bytes += sum(m.length for m in pick) * BYTES_PER_TOKEN
+    micro_returned += got.nbytes
 
 
   mbps = lambda b, times: b / MiB / statistics.median(times)
   result = {
       "payload_MiB": nbytes / MiB, "trajectories": len(metas), "payload_checksum": checksum,
+      "payload_bytes": nbytes, "read_matches_written": read_matches_written,
+      # Bytes the timed reads returned (each rep, and the micro-batch reads' sum): the
+      # rates below divide the bytes asked for, so these must equal them.
+      "read_bytes_returned": read_bytes, "microbatch_bytes": micro_bytes,
+      "microbatch_bytes_returned": micro_returned,
+      "read_s": statistics.median(read_times), "memcpy_s": statistics.median(copy_times),
       "write_MBps": nbytes / MiB / write_s,
       "npsave_MBps": nbytes / MiB / npsave_s,
       "npsave_whole_MBps": nbytes / MiB / npsave_whole_s,

@@ -27,8 +27,14 @@ def test_bench_store_writes_its_json(tmp_path):
   for key in ("write_MBps", "read_MBps", "microbatch_read_MBps", "memcpy_MBps", "read_vs_memcpy",
               "npsave_MBps", "append_vs_npsave", "append_vs_npsave_whole"):
     assert result[key] > 0, key
-  assert result["read_vs_memcpy"] == pytest.approx(result["read_MBps"] / result["memcpy_MBps"])
-  assert result["append_vs_npsave"] == pytest.approx(result["write_MBps"] / result["npsave_MBps"])
+  # The timed reads returned exactly the payload, equal to what was written, and the
+  # ratio is the copy's time over the read's, of the same bytes.
+  assert result["read_matches_written"] is True
+  assert result["read_bytes_returned"] == [result["payload_bytes"]]
+  assert result["payload_bytes"] == pytest.approx(result["payload_MiB"] * 2**20)
+  assert result["microbatch_bytes_returned"] == result["microbatch_bytes"] > 0
+  assert result["read_vs_memcpy"] == pytest.approx(result["memcpy_s"] / result["read_s"])
+  assert result["read_MBps"] == pytest.approx(result["payload_MiB"] / result["read_s"])
   assert result["payload_MiB"] >= 2 and result["with_payload_checksum"]["payload_checksum"]
   # Every payload byte is written at least once; chunk rewrites add a bounded amount.
   assert 1 <= result["write_amplification"] < 10

@@ -50,7 +50,7 @@ def build(layout, calls, dtype="float32", **vit_kw):
   graphdef, state, sh = init_train_state(lambda r: VLM(vit, lm, r), tx, mesh, mesh_cfg.rules, 0)
   if dtype == "float64":
     state = TrainState(jax.tree.map(lambda p: p.astype(np.float64), state.params),
-                       state.opt_state, state.version, state.rng)
+                       state.opt_state, state.version)
   fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
                       forward=naive_vlm_forward(calls))
   return fns, state

@@ -179,6 +179,7 @@ def test_a_vision_group_carries_its_image_hashed_once(monkeypatch):
   from knittrans_jax.models import ViTConfig
   from knittrans_jax.models.vlm import VLM
   from knittrans_jax.rollout import vision_tasks
+  from knittrans_jax.models.vision_spec import VisionSpec
   from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore, image_id
   vit = ViTConfig(image_size=16, patch_size=4, width=32, depth=2, heads=4, mlp_width=64, merge=2)
   with nnx.use_eager_sharding(False):
@@ -188,7 +189,7 @@ def test_a_vision_group_carries_its_image_hashed_once(monkeypatch):
   monkeypatch.setattr(xxhash, "xxh3_128", lambda *a: hashes.append(a) or xxh3(*a))
   requests = [(g, vision_tasks.SOURCES[g % 3]) for g in range(3)]
   groups = rollout_groups(graphdef, params, 0, 7, requests, 2, SamplerConfig(max_new_tokens=4),
-                          suite="vision", image_size=16)
+                          suite="vision", vision=VisionSpec.tiny(vit))
   assert len(hashes) == 3
   store = TrajectoryStore.create("memory://rollout_vision", StoreSchema(sources=vision_tasks.SOURCES))
   writer = store.writer("w")

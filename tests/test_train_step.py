@@ -76,6 +76,23 @@ def test_save_restore_continue_is_bit_identical(tmp_path):
   ckpt.close()
 
 
+def test_a_checkpoint_of_an_older_train_state_is_refused_by_name(tmp_path, dp):
+  """A checkpoint written while TrainState still had its unused `rng` field names the
+  extra field instead of failing inside Orbax."""
+  import jax.numpy as jnp
+  import orbax.checkpoint as ocp
+  fns, state = dp
+  old = {**state._asdict(), "rng": jnp.zeros((2,), jnp.uint32)}
+  with ocp.CheckpointManager(str(tmp_path / "ckpt"), item_names=("state", "progress")) as m:
+    m.save(1, args=ocp.args.Composite(state=ocp.args.StandardSave(old),
+                                      progress=ocp.args.JsonSave({})))
+    m.wait_until_finished()
+  ckpt = Checkpointer(str(tmp_path / "ckpt"))
+  with pytest.raises(ValueError, match=r"holds train-state field\(s\) \['rng'\] that TrainState"):
+    ckpt.restore(abstract_state(state, fns.shardings))
+  ckpt.close()
+
+
 def test_supervised_sanity_run_drives_the_loss_down():
   fns, state = build("dp", objective="nll", lr=3e-3)
   rng = np.random.default_rng(3)

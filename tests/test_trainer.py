@@ -17,6 +17,7 @@ from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.models import DecoderConfig
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vit import ViTConfig
 from knittrans_jax.models.vlm import make_model
 from knittrans_jax.multimodal import EncodeOnceStep, naive_vlm_forward
@@ -72,14 +73,14 @@ def make_trainer(store, vision=False, encode_once=False, centralized=False, cons
     mesh = make_mesh(mesh_cfg)
     tx = make_optimizer(OptimizerConfig(learning_rate=1e-3))
     graphdef, state0, sh = init_train_state(
-        lambda r: make_model(LM, VIT if vision else None, r), tx, mesh, mesh_cfg.rules, 0)
+        lambda r: make_model(LM, VisionSpec.tiny(VIT) if vision else None, r), tx, mesh, mesh_cfg.rules, 0)
     fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
                         forward=naive_vlm_forward() if vision else text_forward)
     _BUILT[vision] = (fns, state0, EncodeOnceStep(fns) if vision else None)
   fns, state0, eo = _BUILT[vision]
   rm = rows_multiple(fns.mesh, fns.rules)
   layout = BatchLayout(rows=MICRO, seq_len=SEQ, vocab_size=LM.vocab_size, rows_multiple=rm,
-                       image_shape=(16, 16, 3) if vision else None)
+                       vision=VisionSpec.tiny(VIT) if vision else None)
   data = (Centralized(local_driver(store)) if centralized else
           OnDemand(store, read=quarantine.read if quarantine else None))
   # A copy: the trainer's steps donate its state.

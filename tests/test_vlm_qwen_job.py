@@ -18,6 +18,8 @@ from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
 from knittrans_jax.job.trainer import BatchLayout, OnDemand, Trainer
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.models import qwen_vl
+from knittrans_jax.models.vision_spec import VisionSpec
+from knittrans_jax.models.vlm import make_model
 from knittrans_jax.multimodal import EncodeOnceStep, QwenVLImages, naive_qwen_forward
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
@@ -84,12 +86,13 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   groups = tuple(GroupInfo(g, ms[0].source, sum(m.length for m in ms), 0,
                            rewards=tuple(m.reward for m in ms), metas=tuple(ms))
                  for g, ms in sorted(by_group.items())[:2])
-  suite = QwenVisionTasks.from_checkpoint(checkpoint, IMAGE_SIZE)
+  spec = VisionSpec.from_qwen_checkpoint(checkpoint, IMAGE_SIZE)
+  suite = QwenVisionTasks(spec)
   mesh_cfg = MeshConfig()  # dp over the 8 CPU devices
   mesh, rules = make_mesh(mesh_cfg), mesh_cfg.rules
   model, config = qwen_vl.load(checkpoint, "float32", mesh=mesh, rules=rules)
   tx = make_optimizer(OptimizerConfig())
-  graphdef, state, sh = init_train_state(suite.make_model, tx, mesh, rules,
+  graphdef, state, sh = init_train_state(lambda r: make_model(None, spec, r), tx, mesh, rules,
                                          params=nnx.state(model, nnx.Param))
   fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, rules,
                       forward=naive_qwen_forward(suite.grid))
@@ -103,8 +106,7 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   assert {m.image_ids[0] for c in work.consumers for k in c for m in k} == {
       g.metas[0].image_ids[0] for g in groups}
   layout = BatchLayout(rows=8, seq_len=16, vocab_size=config.text.vocab_size, rows_multiple=shards,
-                       image_shape=(IMAGE_SIZE, IMAGE_SIZE, 3), qwen=suite.inputs,
-                       image_grid=suite.grid)
+                       vision=spec)
   grads = {}
   for dedup in (False, True):
     step = EncodeOnceStep(fns, path=QwenVLImages(config.vision.merge)) if dedup else None
@@ -125,7 +127,7 @@ def test_vision_suite_refuses_a_text_checkpoint_and_a_colliding_vocabulary(tmp_p
                                        r"Qwen-VL checkpoint"):
     JobConfig(spec=TrainBatchSpec(4, 4, 2), suite="vision", checkpoint=str(tmp_path),
               micro_batch_size=8)
-  suite = QwenVisionTasks.from_checkpoint(checkpoint, IMAGE_SIZE)
+  spec = VisionSpec.from_qwen_checkpoint(checkpoint, IMAGE_SIZE)
   with pytest.raises(ValueError, match=r"the vision ids above 63 \(these are not: "
                                        r"\{'vision_start_token_id': 5\}\)"):
-    dataclasses.replace(suite, vision_start=5)
+    QwenVisionTasks(dataclasses.replace(spec, vision_start=5))

@@ -51,7 +51,7 @@ class RolloutActor:
     self.thread = threading.Thread(target=self._run, daemon=True, args=(
         worker_id, workdir, store_url, a["seed"], a["n"], a["model_config"], a["sampler_config"],
         self.requests, self, self.stop), kwargs=dict(
-            suite=a["suite"], vit_config=a["vit_config"], math=a.get("math"),
+            suite=a["suite"], vision=a["vision"], math=a.get("math"),
             max_groups_per_call=a.get("groups_per_call", 4), engine=a.get("engine", "jax"),
             engine_options=a.get("engine_options"), host=_node_address()))
     self.thread.start()

@@ -8,7 +8,7 @@ import gin
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
-from knittrans_jax.models.hf import read_config
+from knittrans_jax.models.checkpoint_io import read_config
 from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
 from knittrans_jax.rollout.engine import ENGINES
 

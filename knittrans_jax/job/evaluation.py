@@ -13,11 +13,10 @@ from __future__ import annotations
 import dataclasses
 
 import gin
-import jax
 import numpy as np
 
 from knittrans_jax.data import split
-from knittrans_jax.rollout.groups import rollout_groups, task_for
+from knittrans_jax.rollout.groups import Suite, rollout_groups
 
 HELD_OUT = split.HELD_OUT_GROUP_IDS
 
@@ -42,9 +41,11 @@ class EvalConfig:
 class Evaluator:
 
   def __init__(self, config: EvalConfig, graphdef, sampler, suite: str, sources, seed: int,
-               image_size: int = 0, math=None):
+               vision=None, math=None):
+    """`vision`: the run's VisionSpec (models/vision_spec.py) for the vision suite."""
     self.config, self.graphdef, self.suite = config, graphdef, suite
-    self.image_size, self.math = image_size, math
+    self.vision, self.math = vision, math
+    self.tasks = Suite(suite, math, vision)
     self.sources, self.train_seed = tuple(sources), seed
     self.seed = seed + config.seed_offset
     # Held-out group ids start at 2^31, far above any id training dispatches.
@@ -54,7 +55,7 @@ class Evaluator:
                      "sampled": dataclasses.replace(sampler, greedy=False)}
 
   def _prompt_key(self, seed: int, group_id: int, source: str) -> bytes:
-    task = task_for(seed, group_id, source, self.suite, self.image_size, self.math)
+    task = self.tasks.task(seed, group_id, source)
     image = getattr(task, "image", None)
     return b"|".join([source.encode(), np.asarray(task.prompt).tobytes(),
                       b"" if image is None else np.asarray(image).tobytes()])
@@ -76,6 +77,6 @@ class Evaluator:
     out = {}
     for name, sampler in self.samplers.items():
       groups = rollout_groups(self.graphdef, params, version, self.seed, self.requests, 1,
-                              sampler, self.suite, self.image_size, self.math)
+                              sampler, self.suite, self.math, self.vision)
       out[name] = float(np.mean([g.trajectories[0].reward for g in groups]))
     return out

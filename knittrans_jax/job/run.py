@@ -53,6 +53,7 @@ from knittrans_jax.job.trainer_group import LocalTrainer
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.job.workers import ColocatedPool, WorkerPool
 from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vlm import make_model
 from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, PrefixImages,
                                       QwenVLImages, check_deterministic, naive_qwen_forward,
@@ -87,12 +88,15 @@ def model_config(cfg: JobConfig) -> DecoderConfig:
   return hf.config_from_hf(hf.read_config(cfg.checkpoint), **kw)
 
 
-def qwen_suite(cfg: JobConfig) -> QwenVisionTasks | None:
-  """The vision suite on JobConfig.checkpoint's Qwen-VL model, or None (the tiny VLM)."""
-  if cfg.suite != "vision" or not cfg.checkpoint:
+def vision_spec(cfg: JobConfig) -> VisionSpec | None:
+  """The policy's vision path (models/vision_spec.py): None for text, JobConfig.checkpoint's
+  Qwen-VL model under gin's dtype, param_dtype, remat and attention, or the tiny VLM."""
+  if cfg.suite != "vision":
     return None
+  if not cfg.checkpoint:
+    return VisionSpec.tiny(ViTConfig())
   d = DecoderConfig()
-  return QwenVisionTasks.from_checkpoint(
+  return VisionSpec.from_qwen_checkpoint(
       cfg.checkpoint, QwenVisionTaskConfig().image_size, dtype=d.dtype, param_dtype=d.param_dtype,
       remat=d.remat, attention=d.attention)
 
@@ -133,10 +137,11 @@ class Job:
     self._check_processes()
     self.model_cfg, self.sampler_cfg, self.loss_cfg = model_config(cfg), SamplerConfig(), LossConfig()
     self.vision = cfg.suite == "vision"
-    self.qwen = qwen_suite(cfg)
-    # The vision model's config: the tiny VLM's ViT, or the Qwen-VL suite (which makes its
-    # model, models/vlm.make_model); workers and the colocated sampler get the same.
-    self.vit_cfg = (self.qwen or ViTConfig()) if self.vision else None
+    # One spec of the vision path: the model, the batch layout, workers and the
+    # colocated sampler all get it.
+    self.vision_spec = vision_spec(cfg)
+    self.qwen = (QwenVisionTasks(self.vision_spec)
+                 if self.vision_spec is not None and self.vision_spec.qwen is not None else None)
     self.math = None
     if cfg.suite == "math":
       mcfg = MathTaskConfig()
@@ -229,7 +234,7 @@ class Job:
                            "it to 0 on Ray")
         self.evaluator = Evaluator(
             eval_cfg, self.graphdef, self.sampler_cfg, cfg.suite, self.trained_sources, cfg.seed,
-            self.vit_cfg.image_size if self.vision else 0, self.math)
+            self.vision_spec, self.math)
     # As t5x does: the operative config right after set-up, so a crashed run has it.
     if self.controller_process:
       gin_cli.save_operative_config(self.workdir)
@@ -270,7 +275,7 @@ class Job:
                        "to the same value")
 
   def _model_fn(self, rngs):
-    return make_model(self.model_cfg, self.vit_cfg, rngs)
+    return make_model(self.model_cfg, self.vision_spec, rngs)
 
   def _build_trainer(self, resume: bool) -> tuple[Trainer, dict | None]:
     cfg = self.cfg
@@ -281,8 +286,8 @@ class Job:
       with nnx.use_eager_sharding(False):
         check_deterministic(nnx.eval_shape(lambda: self._model_fn(nnx.Rngs(0))),
                             path.encoder_keys)
-    elif self.vision and qwen is None and self.vit_cfg.dropout:
-      raise ValueError(f"ViTConfig.dropout = {self.vit_cfg.dropout}: the trainer keeps no "
+    elif self.vision and qwen is None and self.vision_spec.vit.dropout:
+      raise ValueError(f"ViTConfig.dropout = {self.vision_spec.vit.dropout}: the trainer keeps no "
                        "dropout rng state; set it to 0")
     mesh_cfg = MeshConfig()
     self.mesh, self.rules = make_mesh(mesh_cfg), mesh_cfg.rules
@@ -319,14 +324,10 @@ class Job:
         state, progress = restored
     per_process = self.consumers // self.processes
     version = int(jax.device_get(state.version))  # once; the trainer counts on the host
-    vit = self.vit_cfg
     layout = BatchLayout(rows=cfg.micro_batch_size // self.processes, seq_len=cfg.seq_len,
                          vocab_size=self.model_cfg.vocab_size,
                          rows_multiple=self.rows_multiple // self.processes,
-                         image_shape=((vit.image_size, vit.image_size, 3 if qwen else vit.channels)
-                                      if vit else None),
-                         qwen=qwen.inputs if qwen is not None else None,
-                         image_grid=qwen.grid if qwen is not None else None)
+                         vision=self.vision_spec)
     # A damaged unit is quarantined, not fatal: its readable rows and every other
     # unit still train; skipped rows show as tokens_skipped in metrics.jsonl.
     self.quarantine = QuarantiningReader(self.store)
@@ -357,7 +358,7 @@ class Job:
   def _pool(self):
     cfg = self.cfg
     worker_args = dict(seed=cfg.seed, n=cfg.spec.group_size, model_config=self.model_cfg,
-                       sampler_config=self.sampler_cfg, suite=cfg.suite, vit_config=self.vit_cfg,
+                       sampler_config=self.sampler_cfg, suite=cfg.suite, vision=self.vision_spec,
                        math=self.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
                        engine_options=self.engine_options)
     if self.role == "driver":
@@ -366,10 +367,9 @@ class Job:
       return RayWorkerPool(self.workdir, self.store, self.store_url, workers=cfg.workers,
                            worker_args=worker_args, cfg=self.trainers.cfg, estimate=estimate)
     if cfg.mode == "colocated":
-      image_size = self.vit_cfg.image_size if self.vision else 0
       generate = lambda requests: rollout_groups(  # noqa: E731  (the current weights)
           self.graphdef, self.trainer.state.params, self.trainer.version, cfg.seed, requests,
-          cfg.spec.group_size, self.sampler_cfg, cfg.suite, image_size, self.math, qwen=self.qwen)
+          cfg.spec.group_size, self.sampler_cfg, cfg.suite, self.math, self.vision_spec)
       return ColocatedPool(generate, self.store.writer("colocated"))
     return WorkerPool(self.workdir, self.store_url, workers=cfg.workers, worker_args=worker_args,
                       store=self.store)

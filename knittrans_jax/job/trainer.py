@@ -27,7 +27,7 @@ notes' data-ready minus compute-could-start.
 Steps: text, the naive VLM step (images in every row) or the encode-once step
 (multimodal/, image slots read once per mini-batch, first in the segment). Gradient
 and metric sums stay on the devices; the version is counted on the host. With
-`BatchLayout.qwen` (a Qwen-VL checkpoint) the stored images go through its image
+a Qwen-VL `BatchLayout.vision` the stored images go through its image
 processor here: encode-once packs the consumers' unique images for the tower and
 each micro-batch carries M-RoPE positions and embed_index; the naive step carries
 every row's own pixel_values (multimodal/qwen_images.py).
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 from typing import Any, Callable, Sequence
@@ -49,6 +50,7 @@ from knittrans_jax.dataplane.centralized import CentralizedReads
 from knittrans_jax.job.batching import build_batch
 from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
                                       image_fields, read_owned_images, read_slot_images)
 from knittrans_jax.storage import TrajectoryStore
@@ -79,16 +81,28 @@ class Centralized:
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
   """Static shapes of this trainer's micro-batches: `rows` per micro-batch (its
-  consumers' rows), `seq_len` tokens per row; `image_shape` for a VLM."""
+  consumers' rows), `seq_len` tokens per row; `vision` (models/vision_spec.py) for a
+  VLM: the stored image's shape and, for Qwen-VL, the processor and image grid."""
   rows: int
   seq_len: int
   vocab_size: int
   rows_multiple: int = 1  # batch shards this trainer's rows split over
-  image_shape: tuple[int, int, int] | None = None
-  # Qwen-VL (multimodal/qwen_images.py): stored images -> the tower's inputs, and the
-  # (t, h, w) grid every image of the run has (the naive step's static shape).
-  qwen: QwenImageInputs | None = None
-  image_grid: tuple[int, int, int] | None = None
+  vision: VisionSpec | None = None
+
+  @property
+  def image_shape(self) -> tuple[int, int, int] | None:
+    return self.vision.image_shape if self.vision is not None else None
+
+  @functools.cached_property
+  def qwen(self) -> QwenImageInputs | None:
+    """Qwen-VL (multimodal/qwen_images.py): stored images -> the tower's inputs."""
+    v = self.vision
+    return QwenImageInputs(v.qwen, v.processor) if v is not None and v.qwen is not None else None
+
+  @property
+  def image_grid(self) -> tuple[int, int, int] | None:
+    """Qwen-VL: the (t, h, w) grid every image of the run has (the naive step's static shape)."""
+    return self.vision.grid if self.vision is not None else None
 
 
 @dataclasses.dataclass

@@ -62,7 +62,7 @@ class WorkerPool:
     p = self._ctx.Process(target=worker_main, daemon=True, args=(
         w, self.workdir, self.store_url, a["seed"], a["n"], a["model_config"],
         a["sampler_config"], self.requests[w], self.reports, self.stop),
-        kwargs=dict(suite=a["suite"], vit_config=a["vit_config"], math=a.get("math"),
+        kwargs=dict(suite=a["suite"], vision=a["vision"], math=a.get("math"),
                     max_groups_per_call=a.get("groups_per_call", 4),
                     engine=a.get("engine", "jax"), engine_options=a.get("engine_options")))
     p.start()

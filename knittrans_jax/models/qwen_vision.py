@@ -26,13 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tqdm import tqdm
 
 # The decoder loader's directory reader (single file, sharded index) and helpers.
 from knittrans_jax.models import scan as layer_scan
-from knittrans_jax.models.hf import CheckpointError, _fill, _host, _Tensors, read_config
+from knittrans_jax.models.checkpoint_io import (CheckpointDir, CheckpointError, Source,
+                                                host_array, load_params, read_config)
 from knittrans_jax.models.layers import RMSNorm, dense, wide
-from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 NORMS = ("layernorm", "rmsnorm")
@@ -495,22 +494,27 @@ def _stored_shape(config: QwenVisionConfig, shape: tuple[int, ...], how) -> tupl
   return shape
 
 
-def _convert(data: np.ndarray, how) -> np.ndarray:
+def _view(how):
+  """Stored tensor -> our layout, as a view (nothing read until a device's slice is)."""
   if how == "T":
-    return data.T
-  if how == "conv":
-    return data.reshape(data.shape[0], -1).T
-  if how and how.startswith("qkv"):
-    n = data.shape[0] // 3
-    part = data[int(how[3]) * n:(int(how[3]) + 1) * n]
-    return part.T if part.ndim == 2 else part
-  return data
+    return lambda d: d.T
+  if how == "conv":  # Conv3d [width, C, T, P, P] -> [C*T*P*P, width]
+    return lambda d: d.reshape(d.shape[0], -1).T
+  if how and how.startswith("qkv"):  # one third of the fused qkv
+    k = int(how[3])
+
+    def third(d):
+      n = d.shape[0] // 3
+      part = d[k * n:(k + 1) * n]
+      return part.T if part.ndim == 2 else part
+    return third
+  return lambda d: d
 
 
 def hf_tensors(params, config: QwenVisionConfig, prefix: str = "visual."
                ) -> dict[str, tuple[Any, tuple[int, ...]]]:
   """The tower's parameters (an nnx.State) as checkpoint tensors, the inverse of `load`:
-  {name: (fetch() -> the host tensor as stored, its stored shape)} (hf.write_checkpoint);
+  {name: (fetch() -> the host tensor as stored, its stored shape)} (checkpoint_io.write_checkpoint);
   q, k and v go back into one fused qkv."""
   parts: dict[str, dict] = {}
   for p, shape, get in layer_scan.layer_entries(params):  # a scanned stack layer by layer
@@ -520,17 +524,17 @@ def hf_tensors(params, config: QwenVisionConfig, prefix: str = "visual."
   for name, got in parts.items():
     if set(got) == {"qkv0", "qkv1", "qkv2"}:
       qkv = [got[f"qkv{i}"][0] for i in range(3)]
-      out[name] = ((lambda qkv=qkv: np.concatenate([_host(get()).T for get in qkv])),
+      out[name] = ((lambda qkv=qkv: np.concatenate([host_array(get()).T for get in qkv])),
                    _stored_shape(config, got["qkv0"][1], "qkv0"))
       continue
     ((how, (get, shape)),) = got.items()
     shape = _stored_shape(config, shape, how)
     if how == "T":
-      fetch = lambda get=get: _host(get()).T  # noqa: E731
+      fetch = lambda get=get: host_array(get()).T  # noqa: E731
     elif how == "conv":  # [C*T*P*P, width] -> Conv3d [width, C, T, P, P]
-      fetch = lambda get=get, shape=shape: _host(get()).T.reshape(shape)  # noqa: E731
+      fetch = lambda get=get, shape=shape: host_array(get()).T.reshape(shape)  # noqa: E731
     else:
-      fetch = lambda get=get: _host(get())  # noqa: E731
+      fetch = lambda get=get: host_array(get())  # noqa: E731
     out[name] = (fetch, shape)
   return out
 
@@ -552,51 +556,19 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   or unexpected visual tensor."""
   overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
   config = config_from_hf(read_config(path), **overrides)
-  if mesh is None:
-    mc = MeshConfig()
-    mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
-  tensors = _Tensors(path)
+  tensors = CheckpointDir(path)
   prefix = next((p for p in PREFIXES if any(n.startswith(p) for n in tensors.names)), None)
   if prefix is None:
     raise CheckpointError(f"{path}: no vision tensors (none named {' or '.join(PREFIXES)}*)")
   graphdef, abs_params, rest = nnx.split(abstract_tower(config), nnx.Param, ...)
-  shardings = dict(nnx.to_flat_state(logical_shardings(nnx.get_partition_spec(abs_params),
-                                                       mesh, rules or ())))
 
-  def layers_of(p, var):
-    """(checkpoint name, how stored, one layer's shape) of each tensor making up `var`."""
-    if not layer_scan.is_stacked(p):
-      return [(prefix + hf_source(p)[0], hf_source(p)[1], tuple(var.shape))]
-    per_layer = [hf_source(("blocks", i) + tuple(p[1:])) for i in range(var.shape[0])]
-    return [(prefix + name, how, tuple(var.shape[1:])) for name, how in per_layer]
+  def source(p, shape):
+    name, how = hf_source(p)
+    return Source(prefix + name, _stored_shape(config, shape, how), _view(how))
 
-  flat = [(p, var, layers_of(p, var)) for p, var in nnx.to_flat_state(abs_params)]
-  wanted = {name for _, _, parts in flat for name, _, _ in parts}
-  present = {n for n in tensors.names if n.startswith(prefix)}
-  missing, extra = sorted(wanted - present), sorted(present - wanted)
-  if missing:
-    raise CheckpointError(f"{path}: missing tensor(s) {missing[:5]}"
-                          f"{' ...' if len(missing) > 5 else ''} for the {config.family} "
-                          "vision config")
-  if extra:
-    raise CheckpointError(f"{path}: unexpected tensor(s) {extra[:5]}"
-                          f"{' ...' if len(extra) > 5 else ''} (not in the {config.family} "
-                          "vision tower this config.json describes)")
-  target = jnp.dtype(config.param_dtype)
-  values = {}
-  for p, var, parts in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))} vision",
-                            unit="tensor", disable=None):
-    layers = []
-    for name, how, shape in parts:
-      want = _stored_shape(config, shape, how)
-      if tensors.shape(name) != want:
-        raise CheckpointError(f"{path}: tensor {name} has shape {tensors.shape(name)}, the "
-                              f"config needs {want}")
-      # The tower is small next to the language model: each tensor is converted whole
-      # on the host, then each device takes its slice.
-      layers.append(np.ascontiguousarray(_convert(np.asarray(tensors.tensor(name)), how)))
-    full = (np.stack(layers) if layer_scan.is_stacked(p) else layers[0]).astype(target)
-    sharding = shardings[p]
-    sharding = sharding.get_value() if hasattr(sharding, "get_value") else sharding
-    values[p] = jax.make_array_from_callback(var.shape, sharding, lambda i, a=full: a[i])
-  return nnx.merge(graphdef, _fill(abs_params, values), rest), config
+  params = load_params(path, tensors, abs_params, source,
+                       {n for n in tensors.names if n.startswith(prefix)}, mesh=mesh,
+                       rules=rules, dtype=config.param_dtype,
+                       what=f"the {config.family} vision tower",
+                       desc=f"loading {os.path.basename(path.rstrip('/'))} vision")
+  return nnx.merge(graphdef, params, rest), config

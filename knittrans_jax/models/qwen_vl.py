@@ -36,7 +36,8 @@ from flax import nnx
 from knittrans_jax.models import hf
 from knittrans_jax.models import qwen_vision as qv
 from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
-from knittrans_jax.models.hf import CheckpointError, read_config
+from knittrans_jax.models.checkpoint_io import (CheckpointDir, CheckpointError, read_config,
+                                                write_checkpoint)
 from knittrans_jax.train.mesh import MeshConfig, make_mesh
 
 
@@ -325,7 +326,7 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   if mesh is None:
     mc = MeshConfig()
     mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
-  names = hf._Tensors(path).names
+  names = CheckpointDir(path).names
   prefix = ("model.language_model." if any(n.startswith("model.language_model.") for n in names)
             else "model.")
   decoder = hf.load_weights(path, config.text, mesh=mesh, rules=rules, prefix=prefix,
@@ -357,5 +358,5 @@ def save(model: QwenVL, path: str, dtype: str | None = None, *, like: str | None
   params = nnx.state(model, nnx.Param)
   tensors = {**hf.decoder_tensors(params["decoder"]),
              **qv.hf_tensors(params["visual"], config.vision)}
-  return hf.write_checkpoint(path, tensors, config_to_hf(config, dtype, **extra), dtype,
+  return write_checkpoint(path, tensors, config_to_hf(config, dtype, **extra), dtype,
                              max_shard_bytes)

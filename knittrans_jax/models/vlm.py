@@ -4,6 +4,8 @@ from __future__ import annotations
 from flax import nnx
 
 from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
+from knittrans_jax.models.qwen_vl import QwenVL
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vit import Projector, ViTConfig, ViTEncoder
 
 
@@ -49,12 +51,14 @@ def vlm_forward(model, batch):
   return model(batch["images"], batch["tokens"], batch["attention_mask"], hidden=True)
 
 
-def make_model(lm: DecoderConfig, vit, rngs: nnx.Rngs) -> nnx.Module:
-  """The policy: the text decoder without a vision config; the VLM above with a
-  ViTConfig; otherwise the vision suite's own model (`vit.make_model`: a Qwen-VL
-  checkpoint's, rollout/qwen_vision_tasks.py, whose config holds the decoder's)."""
-  if vit is None:
+def make_model(lm: DecoderConfig, vision: VisionSpec | None, rngs: nnx.Rngs) -> nnx.Module:
+  """The policy: the text decoder without a vision spec, the VLM above for the tiny
+  one, the Qwen-VL model (with the checkpoint's own decoder) for a Qwen-VL one."""
+  if vision is None:
     return DecoderLM(lm, rngs)
-  if isinstance(vit, ViTConfig):
-    return VLM(vit, lm, rngs)
-  return vit.make_model(rngs)
+  if not isinstance(vision, VisionSpec):
+    raise TypeError(f"make_model: vision = {type(vision).__name__}; pass a VisionSpec "
+                    "(models/vision_spec.py) or None")
+  if vision.vit is not None:
+    return VLM(vision.vit, lm, rngs)
+  return QwenVL(vision.qwen, rngs)

@@ -9,10 +9,12 @@ suite needs its `MathSource` (config, tokenizer directory), passed as `math`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
 from knittrans_jax.data import split
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.rollout.engine import FinishedGroup, GroupRequest, response_seeds
@@ -88,20 +90,29 @@ class RolledGroup:
 @dataclasses.dataclass(frozen=True)
 class Suite:
   """A task suite as rollout sees it: requests from (group id, source), trajectories
-  from finished groups. `qwen`: the vision suite on a Qwen-VL checkpoint
-  (rollout/qwen_vision_tasks.py): its prompts carry the image's image-pad tokens and
-  the store keeps the uint8 image."""
+  from finished groups. `vision`: the run's vision spec (models/vision_spec.py), which
+  the 'vision' suite needs: its images' size, and for a Qwen-VL checkpoint prompts
+  that carry the image's pad tokens and the uint8 image the store keeps
+  (rollout/qwen_vision_tasks.py)."""
   name: str = "text"
-  image_size: int = 32
   math: MathSource | None = None
-  qwen: QwenVisionTasks | None = None
+  vision: VisionSpec | None = None
 
   def __post_init__(self):
     _check(self.name, self.math)
-    if self.qwen is not None:
-      if self.name != "vision":
-        raise ValueError(f"a Qwen-VL vision suite with task suite {self.name!r}; it runs 'vision'")
-      object.__setattr__(self, "image_size", self.qwen.image_size)
+    if (self.name == "vision") != (self.vision is not None):
+      raise ValueError(f"task suite {self.name!r} with vision spec "
+                       f"{None if self.vision is None else self.vision.kind!r}: the 'vision' "
+                       "suite, and only it, takes one")
+
+  @functools.cached_property
+  def qwen(self) -> QwenVisionTasks | None:
+    v = self.vision
+    return QwenVisionTasks(v) if v is not None and v.qwen is not None else None
+
+  @property
+  def image_size(self) -> int:
+    return self.vision.image_size if self.vision is not None else 0
 
   @property
   def call_token(self) -> int:
@@ -148,8 +159,8 @@ class Suite:
 
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
                    n: int, sampler: SamplerConfig, suite: str = "text",
-                   image_size: int = 32, math: MathSource | None = None,
-                   qwen: QwenVisionTasks | None = None) -> list[RolledGroup]:
+                   math: MathSource | None = None,
+                   vision: VisionSpec | None = None) -> list[RolledGroup]:
   """Generates n responses for each (group id, source) in one JAX sampler call (the
   colocated reference and held-out evaluation; rollout workers run an engine).
 
@@ -157,7 +168,7 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
   so a group comes out the same however groups are batched into calls: a worker's few, the
   colocated reference's many (up to float reassociation in batched matmuls).
   """
-  tasks_ = Suite(suite, image_size, math, qwen)
+  tasks_ = Suite(suite, math, vision)
   reqs = [tasks_.request(seed, gid, source, n) for gid, source in requests]
   finished = generate_groups(graphdef, params, version, seed, reqs, sampler, tasks_)
   return [tasks_.rolled(seed, g) for g in finished]

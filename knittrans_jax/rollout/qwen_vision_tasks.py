@@ -1,6 +1,6 @@
 """The vision task suite (rollout/vision_tasks.py) on a Qwen2-VL / Qwen2.5-VL checkpoint.
 
-    suite = QwenVisionTasks.from_checkpoint("/ckpt", image_size=32)
+    suite = QwenVisionTasks(VisionSpec.from_qwen_checkpoint("/ckpt", image_size=32))
     prompt = suite.prompt(task)     # BOS <vision_start> <image_pad> x k <vision_end> marker SEP
     image = suite.stored_image(task)  # uint8 [S, S, 3]: what the store keeps
 
@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import gin
 import numpy as np
 
-from knittrans_jax.models import qwen_image_processor as qip
 from knittrans_jax.models import qwen_vl
-from knittrans_jax.models.hf import read_config
+from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.multimodal.qwen_images import QwenImageInputs
 from knittrans_jax.rollout import vision_tasks
 
@@ -44,13 +41,13 @@ class QwenVisionTaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class QwenVisionTasks:
-  inputs: QwenImageInputs
-  image_size: int
-  vision_start: int
-  vision_end: int
+  """The suite's Qwen-VL side over the run's vision spec (models/vision_spec.py)."""
+  spec: VisionSpec
 
   def __post_init__(self):
-    model = self.inputs.model
+    if self.spec.qwen is None:
+      raise ValueError(f"QwenVisionTasks: the vision spec is {self.spec.kind!r}, not 'qwen_vl'")
+    model = self.spec.qwen
     ids = {"image_token_id": model.image_token_id, "vision_start_token_id": self.vision_start,
            "vision_end_token_id": self.vision_end}
     low = {k: v for k, v in ids.items() if v < vision_tasks.VOCAB_SIZE}
@@ -59,39 +56,31 @@ class QwenVisionTasks:
                        f"take the vision tasks' {vision_tasks.VOCAB_SIZE} ids unchanged: it needs "
                        f">= {vision_tasks.VOCAB_SIZE} ids and the vision ids above "
                        f"{vision_tasks.VOCAB_SIZE - 1} (these are not: {low})")
-    if self.image_size < 16 or self.image_size % 8:
-      raise ValueError(f"QwenVisionTaskConfig.image_size = {self.image_size} must be a multiple "
-                       "of 8 and >= 16")
 
-  @classmethod
-  def from_checkpoint(cls, path: str, image_size: int, **overrides) -> "QwenVisionTasks":
-    """The suite for checkpoint `path`: its config.json (overrides: qwen_vl.config_from_hf's)
-    and its preprocessor_config.json; without one, transformers' processor at the
-    tower's patch, merge and temporal sizes with min_pixels one merge block, so a
-    small generated image keeps its size."""
-    hf_config = read_config(path)
-    model = qwen_vl.config_from_hf(hf_config, **overrides)
-    pre = os.path.join(path, "preprocessor_config.json")
-    v = model.vision
-    if os.path.isfile(pre):
-      with open(pre) as f:
-        processor = qip.config_from_hf(json.load(f))
-    else:
-      processor = qip.QwenImageProcessorConfig(
-          patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-          merge_size=v.merge, min_pixels=(v.patch_size * v.merge) ** 2)
-    return cls(QwenImageInputs(model, processor), image_size,
-               int(hf_config.get("vision_start_token_id", 151652)),
-               int(hf_config.get("vision_end_token_id", 151653)))
+  @functools.cached_property
+  def inputs(self) -> QwenImageInputs:
+    return QwenImageInputs(self.spec.qwen, self.spec.processor)
 
   @property
   def model(self) -> qwen_vl.QwenVLConfig:
-    return self.inputs.model
+    return self.spec.qwen
 
-  @functools.cached_property
+  @property
+  def image_size(self) -> int:
+    return self.spec.image_size
+
+  @property
+  def vision_start(self) -> int:
+    return self.spec.vision_start
+
+  @property
+  def vision_end(self) -> int:
+    return self.spec.vision_end
+
+  @property
   def grid(self) -> tuple[int, int, int]:
     """The (t, h, w) patches of every generated image."""
-    return self.inputs.pixels(np.zeros((self.image_size, self.image_size, 3), np.uint8))[1]
+    return self.spec.grid
 
   @property
   def image_tokens(self) -> int:
@@ -117,6 +106,3 @@ class QwenVisionTasks:
     """The task's image as 8-bit RGB, what a data set holds (and what the processor
     takes): 4x fewer bytes than the float32 original."""
     return np.round(np.clip(task.image, 0, 1) * 255).astype(np.uint8)
-
-  def make_model(self, rngs):
-    return qwen_vl.QwenVL(self.model, rngs)

@@ -101,7 +101,8 @@ class VllmEngine(RolloutEngine):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", opts.cpu_bind)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.sampling_params import RequestOutputKind
-    from knittrans_jax.models.hf import config_to_hf, decoder_tensors, write_checkpoint
+    from knittrans_jax.models.checkpoint_io import write_checkpoint
+    from knittrans_jax.models.hf import config_to_hf, decoder_tensors
 
     s = spec.sampler
     if s.greedy:

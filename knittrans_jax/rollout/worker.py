@@ -26,7 +26,7 @@ POLL_S = 0.02  # while busy: the queue and the weights are looked at after this 
 
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
-                max_groups_per_call: int = 4, suite: str = "text", vit_config=None,
+                max_groups_per_call: int = 4, suite: str = "text", vision=None,
                 math=None, host: str | None = None, engine: str = "jax",
                 engine_options=None) -> None:
   if threading.current_thread() is threading.main_thread():  # a process of its own
@@ -38,18 +38,16 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.engine import EngineSpec, make_engine
   from knittrans_jax.rollout.groups import Suite
-  from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
 
   try:
     with nnx.use_eager_sharding(False):  # shapes only: the weights come from the trainer
-      model = nnx.eval_shape(lambda: make_model(model_config, vit_config, nnx.Rngs(0)))
+      model = nnx.eval_shape(lambda: make_model(model_config, vision, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
-    qwen = vit_config if isinstance(vit_config, QwenVisionTasks) else None
-    tasks = Suite(suite, vit_config.image_size if vit_config is not None else 32, math, qwen)
+    tasks = Suite(suite, math, vision)
     spec = EngineSpec(engine, model_config, sampler_config, seed, max_groups_per_call,
                       engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"))
     rollout = None  # built on the first published weights

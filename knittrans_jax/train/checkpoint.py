@@ -2,7 +2,7 @@
 
 Saved every `every_steps` optimizer steps (asynchronously: training goes on while
 the write finishes), keeping the last `keep`. A checkpoint holds the params, the
-optimizer state, the version, the RNG key data and an opaque JSON blob (e.g. which
+optimizer state, the version and an opaque JSON blob (e.g. which
 trajectories were consumed) so a resumed run neither repeats nor skips data.
 """
 from __future__ import annotations
@@ -58,8 +58,18 @@ class Checkpointer:
     step = self._manager.latest_step() if step is None else step
     if step is None:
       return None
-    out = self._manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(target._asdict()), progress=ocp.args.JsonRestore()))
+    try:
+      out = self._manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(target._asdict()), progress=ocp.args.JsonRestore()))
+    except Exception:
+      saved = self._manager.item_metadata(step).state
+      extra = sorted(set(saved or {}) - set(TrainState._fields))
+      if extra:  # a checkpoint of an older TrainState (before 2026-12-03 it had `rng`)
+        raise ValueError(f"checkpoint {self.directory}/{step} holds train-state field(s) "
+                         f"{extra} that TrainState {TrainState._fields} no longer has: it "
+                         "was written by an older knittrans_jax; resume it with that "
+                         "version or start a fresh run") from None
+      raise
     return TrainState(**out.state), out.progress
 
   def wait(self) -> None:

@@ -21,7 +21,6 @@ class TrainState(NamedTuple):
   params: nnx.State
   opt_state: Any
   version: jax.Array  # int32 scalar: optimizer steps applied = policy version
-  rng: jax.Array  # uint32 key data
 
 
 def _build(model_fn: Callable[[nnx.Rngs], nnx.Module], seed: int):
@@ -40,12 +39,11 @@ def train_state_shapes(model_fn: Callable[[nnx.Rngs], nnx.Module],
   opt_sh = optax.tree_map_params(tx, lambda _, s: s, abs_opt, param_sh,
                                  transform_non_params=lambda _: replicated(mesh))
   repl = replicated(mesh)
-  shardings = TrainState(param_sh, opt_sh, repl, repl)
+  shardings = TrainState(param_sh, opt_sh, repl)
 
   def init():
     params = nnx.state(_build(model_fn, 0), nnx.Param)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(jax.random.key(0)))
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
   return graphdef, abstract_state(jax.eval_shape(init), shardings), shardings
 
 
@@ -59,8 +57,7 @@ def init_train_state(model_fn: Callable[[nnx.Rngs], nnx.Module], tx: optax.Gradi
   def init(params):
     if params is None:
       params = nnx.state(_build(model_fn, seed), nnx.Param)
-    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32),
-                      jax.random.key_data(jax.random.key(seed)))
+    return TrainState(params, tx.init(params), jnp.zeros((), jnp.int32))
 
   if params is not None:
     got, want = (jax.tree_util.tree_flatten_with_path(t)[0] for t in (params, abs_params))

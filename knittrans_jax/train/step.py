@@ -103,7 +103,7 @@ class StepFunctions:
     updates, opt_state = self.tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     metrics = {"grad_norm": optax.tree.norm(grads)}
-    return TrainState(params, opt_state, state.version + 1, state.rng), metrics
+    return TrainState(params, opt_state, state.version + 1), metrics
 
   # -- jitted entry points (compiled per batch shape) -------------------------
   def zero_sums(self, state: TrainState, batch: dict, ref=None):
