@@ -9,16 +9,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 # Files whose tests start a local Ray, jax.distributed processes, network-namespaced
-# hosts or a vLLM engine: under pytest-xdist (make test) they run on one worker, one
-# after another, so two clusters never race for ports, cores or memory.
+# hosts or a vLLM engine: under pytest-xdist (make test, --dist loadgroup) they run on
+# one worker, one after another, so two clusters never race for ports, cores or
+# memory, and each module-scoped cluster is started once.
 _ONE_WORKER = ("test_ray_fleet.py", "test_netns_hosts.py", "test_distributed.py",
                "test_vllm_engine.py", "test_vllm_job.py")
 
 
-def pytest_collection_modifyitems(config, items):
-  for item in items:
-    if os.path.basename(str(item.fspath)) in _ONE_WORKER:
-      item.add_marker(pytest.mark.xdist_group("clusters"))
+def pytest_xdist_make_scheduler(config, log):
+  """loadgroup with the group decided here, from the test's file. (xdist 3.8 groups by
+  a suffix it appends to `item._nodeid`, which pytest 9 no longer reads, so
+  `xdist_group` markers group nothing under these versions.)"""
+  if config.getvalue("dist") != "loadgroup":
+    return None
+  from xdist.scheduler import LoadGroupScheduling
+
+  class ClusterFilesTogether(LoadGroupScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      return "clusters" if nodeid.split("::")[0].rsplit("/", 1)[-1] in _ONE_WORKER else nodeid
+
+  return ClusterFilesTogether(config, log)
 
 
 @pytest.fixture(autouse=True)
