@@ -1,4 +1,5 @@
 """The study runner (scripts/study.py) and its statistics (knittrans_jax/study/)."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -117,11 +118,15 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
                         env={**os.environ, "XLA_FLAGS": ""})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert os.path.getmtime(out / "runs" / "cp_W=G" / "seed1" / "summary.json") == stamp
-  # A misnamed baseline is refused before anything runs.
-  bad = subprocess.run(cmd + ["--gin_bindings", "study.baseline = 'tb W=2G'"],
-                       capture_output=True, text=True, timeout=120)
-  assert bad.returncode != 0 and "study.baseline = 'tb W=2G' is not one of" in bad.stderr
-  # Settings chosen on a reported seed are refused.
-  bad = subprocess.run(cmd + ["--gin_bindings", "study.selection_seeds = (1, 5)"],
-                       capture_output=True, text=True, timeout=120)
-  assert bad.returncode != 0 and "share [1]" in bad.stderr
+  # A misnamed baseline, and settings chosen on a reported seed, are refused before
+  # anything runs (in this process: the same function the script calls).
+  spec = importlib.util.spec_from_file_location("study_script", "scripts/study.py")
+  script = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(script)
+  grid = dict(configurations={"tb": [], "cp W=G": []}, seeds=(0, 1))
+  empty = tmp_path / "never"
+  with pytest.raises(ValueError, match=r"study.baseline = 'tb W=2G' is not one of"):
+    script.study(str(empty), baseline="tb W=2G", **grid)
+  with pytest.raises(ValueError, match=r"share \[1\]"):
+    script.study(str(empty), selection_seeds=(1, 5), **grid)
+  assert not empty.exists()
