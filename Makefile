@@ -3,9 +3,6 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# No byte-compiling of every installed file (torch, transformers, vLLM, Ray: tens of
-# thousands): Python compiles what is imported, when it is.
-PIP_FLAGS := --no-compile
 TEST_STAMP := $(VENV)/.installed-test
 VLLM_STAMP := $(VENV)/.installed-vllm
 RAY_STAMP := $(VENV)/.installed-ray
@@ -23,9 +20,9 @@ install: $(STAMP)
 
 $(STAMP): requirements.txt pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(PIP_FLAGS) --upgrade pip
-	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements.txt
-	$(PY) -m pip install -q $(PIP_FLAGS) --no-deps -e .
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
 run: install
@@ -36,21 +33,21 @@ store-demo: install
 
 # Test-only packages (torch CPU, transformers) for the checkpoint parity tests.
 $(TEST_STAMP): $(STAMP) requirements-test.txt
-	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements-test.txt
+	$(PY) -m pip install -q -r requirements-test.txt
 	touch $(TEST_STAMP)
 
 # The `vllm` rollout engine (JobConfig.engine = 'vllm'): vLLM's requirements, then
 # vLLM itself with --no-deps, so no CUDA-built torchvision/torchaudio/torchcodec arrive.
 $(VLLM_STAMP): $(TEST_STAMP) requirements-vllm.txt
-	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements-vllm.txt
-	$(PY) -m pip install -q $(PIP_FLAGS) --no-deps $(VLLM)
+	$(PY) -m pip install -q -r requirements-vllm.txt
+	$(PY) -m pip install -q --no-deps $(VLLM)
 	touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
 # Ray for the fleet (JobConfig.cluster = 'ray'); after vLLM's pins, which it shares.
 $(RAY_STAMP): $(VLLM_STAMP) requirements-ray.txt
-	$(PY) -m pip install -q $(PIP_FLAGS) -r requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-ray.txt
 	touch $(RAY_STAMP)
 
 install-ray: $(RAY_STAMP)
