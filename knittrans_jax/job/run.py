@@ -140,8 +140,7 @@ class Job:
     # One spec of the vision path: the model, the batch layout, workers and the
     # colocated sampler all get it.
     self.vision_spec = vision_spec(cfg)
-    self.qwen = (QwenVisionTasks(self.vision_spec)
-                 if self.vision_spec is not None and self.vision_spec.qwen is not None else None)
+    self.qwen = QwenVisionTasks.of(self.vision_spec)
     self.math = None
     if cfg.suite == "math":
       mcfg = MathTaskConfig()

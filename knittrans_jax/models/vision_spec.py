@@ -6,7 +6,7 @@
 
 The model (models/vlm.py), the trainer's batch layout (job/trainer.py), the rollout
 workers and the task suite (rollout/) all read the same spec: which vision model,
-what the store keeps per image (`image_shape`, `image_dtype`) and, for Qwen-VL, the
+what the store keeps per image (`image_shape`) and, for Qwen-VL, the
 image processor, the patch grid every generated image has and the ids around an
 image's pad tokens. Nothing here depends on rollout/ or multimodal/.
 """
@@ -21,7 +21,6 @@ import numpy as np
 
 from knittrans_jax.models import qwen_image_processor as qip
 from knittrans_jax.models import qwen_vl
-from knittrans_jax.models.decoder import DecoderConfig
 from knittrans_jax.models.checkpoint_io import read_config
 from knittrans_jax.models.vit import ViTConfig
 
@@ -88,10 +87,6 @@ class VisionSpec:
     channels = self.vit.channels if self.vit is not None else 3
     return (self.image_size, self.image_size, channels)
 
-  @property
-  def image_dtype(self) -> np.dtype:
-    return np.dtype(np.float32 if self.vit is not None else np.uint8)
-
   @functools.cached_property
   def grid(self) -> tuple[int, int, int] | None:
     """Qwen-VL: the (t, h, w) patches of every generated image (None for the tiny VLM)."""
@@ -99,8 +94,3 @@ class VisionSpec:
       return None
     _, grid = qip.preprocess([np.zeros(self.image_shape, np.uint8)], self.processor)
     return tuple(int(v) for v in grid[0])
-
-  @property
-  def lm(self) -> DecoderConfig | None:
-    """The decoder a Qwen-VL checkpoint fixes (None: the job's DecoderConfig)."""
-    return self.qwen.text if self.qwen is not None else None

@@ -107,8 +107,7 @@ class Suite:
 
   @functools.cached_property
   def qwen(self) -> QwenVisionTasks | None:
-    v = self.vision
-    return QwenVisionTasks(v) if v is not None and v.qwen is not None else None
+    return QwenVisionTasks.of(self.vision)
 
   @property
   def image_size(self) -> int:

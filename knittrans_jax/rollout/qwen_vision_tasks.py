@@ -57,6 +57,11 @@ class QwenVisionTasks:
                        f">= {vision_tasks.VOCAB_SIZE} ids and the vision ids above "
                        f"{vision_tasks.VOCAB_SIZE - 1} (these are not: {low})")
 
+  @classmethod
+  def of(cls, spec: VisionSpec | None) -> "QwenVisionTasks | None":
+    """The suite's Qwen side for a Qwen-VL spec; None for no spec or the tiny VLM."""
+    return cls(spec) if spec is not None and spec.qwen is not None else None
+
   @functools.cached_property
   def inputs(self) -> QwenImageInputs:
     return QwenImageInputs(self.spec.qwen, self.spec.processor)
