@@ -7,9 +7,9 @@ import os
 import time
 
 import numpy as np
-from tensorboardX import SummaryWriter
 
 from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.job.tb_events import ScalarWriter
 
 
 def engine_vs_trainer(sums: dict) -> dict:
@@ -64,7 +64,7 @@ class MetricsLog:
     if resume and os.path.exists(self.start_path):
       with open(self.start_path) as f:
         self.eval_start = json.load(f)
-    self.tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.tb = ScalarWriter(os.path.join(workdir, "tensorboard"))
 
   def start_eval(self, evaluation: dict, eval_s: float) -> None:
     """The held-out evaluation of the initial policy (step 0), in eval_start.json."""
