@@ -14,19 +14,26 @@ sys.path.insert(0, os.path.dirname(__file__))
 # memory, and each module-scoped cluster is started once.
 _ONE_WORKER = ("test_ray_fleet.py", "test_netns_hosts.py", "test_distributed.py",
                "test_vllm_engine.py", "test_vllm_job.py")
+# Files whose tests share an expensive module-scoped fixture (a job run, a checkpoint):
+# each file runs on one worker, so the fixture is built once, not once per worker.
+_FILE_TOGETHER = ("test_vlm_job.py", "test_vlm_qwen_job.py", "test_qwen_vl_encode_once.py",
+                  "test_bench_transfer.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
-  """loadgroup with the group decided here, from the test's file. (xdist 3.8 groups by
-  a suffix it appends to `item._nodeid`, which pytest 9 no longer reads, so
-  `xdist_group` markers group nothing under these versions.)"""
+  """loadgroup with the group decided here, from the test's file (the two lists above).
+  (xdist 3.8 groups by a suffix it appends to `item._nodeid`, which pytest 9 no longer
+  reads, so `xdist_group` markers group nothing under these versions.)"""
   if config.getvalue("dist") != "loadgroup":
     return None
   from xdist.scheduler import LoadGroupScheduling
 
   class ClusterFilesTogether(LoadGroupScheduling):
     def _split_scope(self, nodeid: str) -> str:
-      return "clusters" if nodeid.split("::")[0].rsplit("/", 1)[-1] in _ONE_WORKER else nodeid
+      name = nodeid.split("::")[0].rsplit("/", 1)[-1]
+      if name in _ONE_WORKER:
+        return "clusters"
+      return name if name in _FILE_TOGETHER else nodeid
 
   return ClusterFilesTogether(config, log)
 
