@@ -55,9 +55,7 @@ install-ray: $(RAY_STAMP)
 # The whole suite, on TEST_WORKERS processes (pytest-xdist; tests that start a cluster
 # or an engine share one, tests/conftest.py). `make test-fast`: the tests not marked
 # slow, for the edit loop; CI runs `make test`.
-# One more worker than cores (at most 4): the tests spend much of their time waiting on
-# the jobs, clusters and engines they start, so a third worker on 2 cores keeps them busy.
-TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)

@@ -47,7 +47,7 @@ def two_process_run(local_ray, tmp_path_factory):
   killed = []
 
   def kill_trainer1():  # once step 3 is recorded: steps 1-2 are in the step-2 checkpoint
-    deadline = time.time() + 600  # beside other tests on 2 cores, step 3 took 4 minutes
+    deadline = time.time() + 300
     while time.time() < deadline:
       metrics = run / "metrics.jsonl"
       if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
