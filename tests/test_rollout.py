@@ -257,3 +257,11 @@ def test_lookup_scores_as_documented():
   assert tasks.score(task, np.array(call + [tasks.digit(far), tasks.EOS])) == pytest.approx(
       max(0.0, 1 - abs(far - v) / 8))
   assert tasks.score(task, np.array([tasks.CALL, tasks.EOS])) == 0.0
+
+
+def test_a_worker_keeps_the_xla_flags_less_the_device_count():
+  from knittrans_jax.rollout.worker import one_device_xla_flags
+  assert one_device_xla_flags("--xla_force_host_platform_device_count=8 "
+                              "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/d") == (
+      "--xla_backend_optimization_level=0 --xla_dump_to=/tmp/d")
+  assert one_device_xla_flags("") == ""

@@ -29,7 +29,7 @@ from typing import Callable
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 from knittrans_jax.job.controller import Finished
 from knittrans_jax.job.workers import release
-from knittrans_jax.rollout.worker import worker_main
+from knittrans_jax.rollout.worker import one_device_xla_flags, worker_main
 
 
 def _node_address() -> str:
@@ -41,7 +41,7 @@ class RolloutActor:
   """One rollout worker (see module doc); `worker_id` names its storage unit."""
 
   def __init__(self, worker_id: int, workdir: str, store_url: str, args: dict):
-    os.environ["XLA_FLAGS"] = ""  # one device per worker, before JAX starts
+    os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     self.id, self.loop = worker_id, None
     self.requests, self.stop = queue.Queue(), threading.Event()
@@ -124,7 +124,8 @@ class RayWorkerPool:
           max_restarts=cfg.worker_restarts, max_task_retries=0, num_cpus=bundle.get("CPU", 0),
           resources={k: v for k, v in bundle.items() if k != "CPU"},
           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, w),
-          runtime_env={"env_vars": {**actor_env(cfg), "XLA_FLAGS": ""}},
+          runtime_env={"env_vars": {**actor_env(cfg), "XLA_FLAGS": one_device_xla_flags(
+              os.environ.get("XLA_FLAGS", ""))}},
       ).remote(w, workdir, store_url, worker_args)
     self.calls: dict = {}  # ref -> (group id, worker, deadline)
     self.held: dict[int, tuple[int, str]] = {}  # group id -> (worker, source)

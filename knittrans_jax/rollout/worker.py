@@ -24,6 +24,13 @@ import traceback
 POLL_S = 0.02  # while busy: the queue and the weights are looked at after this much stepping
 
 
+def one_device_xla_flags(flags: str) -> str:
+  """The XLA flags less a forced host device count: one device per worker, the
+  user's other flags (dumps, optimisation level) kept."""
+  return " ".join(f for f in flags.split()
+                  if not f.startswith("--xla_force_host_platform_device_count"))
+
+
 def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
                 model_config, sampler_config, requests, reports, stop,
                 max_groups_per_call: int = 4, suite: str = "text", vision=None,
@@ -32,7 +39,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
   if threading.current_thread() is threading.main_thread():  # a process of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = ""  # one device per worker
+    os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
