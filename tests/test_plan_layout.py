@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
+from knittrans_jax.rollout.worker import one_device_xla_flags
+
 pytestmark = pytest.mark.slow
+# The CLI's own host devices (--devices); the suite's other XLA flags kept.
+ONE_DEVICE = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 MODEL, DP = "configs/models/tiny_qwen2.gin", "configs/mesh/dp.gin"
 
@@ -23,7 +27,7 @@ def plan(tmp_path, *bindings, seq_len=128, mesh=()):
   for b in bindings:
     cmd += ["--gin_bindings", b]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "XLA_FLAGS": ""})
+                        env={**os.environ, "XLA_FLAGS": ONE_DEVICE})
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.load(open(out)), proc.stdout
 

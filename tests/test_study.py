@@ -8,9 +8,13 @@ import sys
 import numpy as np
 import pytest
 
+from knittrans_jax.rollout.worker import one_device_xla_flags
 from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching
 from knittrans_jax.study.stats import (paired_difference, paired_gap_closed, saturating_fit,
                                        t_interval)
+
+# One device per run; the suite's other XLA flags kept.
+ONE_DEVICE = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
 
 
 def test_t_interval_covers_the_mean_and_widens_with_few_seeds():
@@ -82,10 +86,11 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
       "                        'cp W=G': ['JobConfig.window = 8']}\n"
       "study.dose_configurations = ['tb', 'cp W=G']\n"
       "study.comparisons = {'cp W=G': 'tb'}\n"
-      "study.selection_seeds = (5, 6)\n")
+      "study.selection_seeds = (5, 6)\n"
+      "study.parallel = 2\n")  # two runs at a time: results still in grid order
   cmd = [sys.executable, "scripts/study.py", "--gin_file", str(gin), "--out", str(out)]
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "XLA_FLAGS": ""})
+                        env={**os.environ, "XLA_FLAGS": ONE_DEVICE})
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.load(open(out / "results.json"))
   assert [(r["configuration"], r["seed"]) for r in res["runs"]] == [
@@ -115,7 +120,7 @@ def test_runner_on_a_two_seed_grid_resumes(tmp_path):
   # Resumable: a second call reruns nothing (every run's summary.json exists).
   stamp = os.path.getmtime(out / "runs" / "cp_W=G" / "seed1" / "summary.json")
   proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
-                        env={**os.environ, "XLA_FLAGS": ""})
+                        env={**os.environ, "XLA_FLAGS": ONE_DEVICE})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert os.path.getmtime(out / "runs" / "cp_W=G" / "seed1" / "summary.json") == stamp
   # A misnamed baseline, and settings chosen on a reported seed, are refused before
