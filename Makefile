@@ -18,11 +18,16 @@ TEST_ENV := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_op
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml
+# uv installs (parallel downloads, unpacking and byte-compiling: about half pip's time,
+# README "Tests"), under this machine's pip configuration (scripts/uv_install.py).
+UV := uv==0.13.8
+INSTALL := $(PY) scripts/uv_install.py -q
+
+$(STAMP): requirements.txt pyproject.toml scripts/uv_install.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q $(UV)
+	$(INSTALL) -r requirements.txt
+	$(INSTALL) --no-deps -e .
 	touch $(STAMP)
 
 run: install
@@ -31,14 +36,14 @@ run: install
 store-demo: install
 	JAX_PLATFORMS=cpu $(PY) scripts/store_demo.py --gin_file configs/store_demo.gin --workdir runs/store_demo
 
-# Everything the suite needs, in one pip call (one resolve, not three): the test-only
+# Everything the suite needs, in one install (one resolve, not three): the test-only
 # packages (torch CPU, transformers) for the checkpoint parity tests; the `vllm` rollout
 # engine's requirements (JobConfig.engine = 'vllm'); Ray for the fleet
 # (JobConfig.cluster = 'ray'), which shares vLLM's pins. Then vLLM itself
 # with --no-deps, so no CUDA-built torchvision/torchaudio/torchcodec arrive.
 $(TEST_STAMP): $(STAMP) requirements-test.txt requirements-vllm.txt requirements-ray.txt
-	$(PY) -m pip install -q -r requirements-test.txt -r requirements-vllm.txt -r requirements-ray.txt
-	$(PY) -m pip install -q --no-deps $(VLLM)
+	$(INSTALL) -r requirements-test.txt -r requirements-vllm.txt -r requirements-ray.txt
+	$(INSTALL) --no-deps $(VLLM)
 	touch $(TEST_STAMP)
 
 install-vllm install-ray: $(TEST_STAMP)

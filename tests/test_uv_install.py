@@ -1,0 +1,42 @@
+"""scripts/uv_install.py hands uv what pip's configuration says (the Makefile installs
+with uv): pip's precedence between variables, [install] and [global], and every item of
+a list-valued setting."""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "scripts"))
+import uv_install  # noqa: E402
+
+LISTING = """\
+:env:.find-links='/opt/wheels'
+:env:.default-timeout='180'
+global.cert='/etc/ssl/certs/ca-certificates.crt'
+global.constraint='/etc/xdg/pip/constraints.txt'
+global.extra-index-url='file:///opt/pypi/simple file:///opt/pypi-more/simple'
+global.find-links='/ignored/because/env/wins'
+global.index-url='https://global.example/simple'
+install.index-url='https://install.example/simple'
+install.no-index='false'
+freeze.index-url='https://not-for-install.example/simple'
+"""
+
+
+def test_pip_precedence_and_every_list_item():
+  settings = uv_install.pip_settings(LISTING)
+  assert settings["find-links"] == "/opt/wheels"  # PIP_FIND_LINKS over [global]
+  assert settings["index-url"] == "https://install.example/simple"  # [install] over [global]
+  flags, env = uv_install.uv_options(settings)
+  assert flags == ["--index-url=https://install.example/simple",
+                   "--extra-index-url=file:///opt/pypi/simple",
+                   "--extra-index-url=file:///opt/pypi-more/simple",
+                   "--find-links=/opt/wheels",
+                   "--constraint=/etc/xdg/pip/constraints.txt"]
+  assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
+                 "UV_HTTP_TIMEOUT": "180"}
+
+
+def test_no_index_and_an_empty_configuration():
+  assert uv_install.uv_options(uv_install.pip_settings(""))[0] == []
+  flags, _ = uv_install.uv_options(uv_install.pip_settings(":env:.no-index='yes'\n"))
+  assert flags == ["--no-index"]
