@@ -12,6 +12,7 @@ Usage (the Makefile's): .venv/bin/python scripts/uv_install.py -r requirements.t
 """
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -31,11 +32,11 @@ _RANK = {":env:": 0, "install": 1, "global": 2}
 def pip_settings(listing: str) -> dict[str, str]:
   """{pip setting: value} from `pip config list` output, the winning variant of each."""
   best: dict[str, tuple[int, str]] = {}
-  for line in listing.splitlines():
-    m = re.fullmatch(r"([^.]+)\.([a-z-]+)='(.*)'", line.strip())
+  for line in listing.splitlines():  # `variant.key=repr(value)` per line
+    m = re.fullmatch(r"([^.=]+)\.([a-z-]+)=(.*)", line.strip())
     if not m or m.group(1) not in _RANK:
       continue
-    rank, key, value = _RANK[m.group(1)], m.group(2), m.group(3)
+    rank, key, value = _RANK[m.group(1)], m.group(2), str(ast.literal_eval(m.group(3)))
     if key not in best or rank < best[key][0]:
       best[key] = (rank, value)
   return {k: v for k, (_, v) in best.items()}

@@ -18,6 +18,7 @@ global.find-links='/ignored/because/env/wins'
 global.index-url='https://global.example/simple'
 install.index-url='https://install.example/simple'
 install.no-index='false'
+global.trusted-host="it's.example"
 freeze.index-url='https://not-for-install.example/simple'
 """
 
@@ -31,7 +32,8 @@ def test_pip_precedence_and_every_list_item():
                    "--extra-index-url=file:///opt/pypi/simple",
                    "--extra-index-url=file:///opt/pypi-more/simple",
                    "--find-links=/opt/wheels",
-                   "--constraint=/etc/xdg/pip/constraints.txt"]
+                   "--constraint=/etc/xdg/pip/constraints.txt",
+                   "--allow-insecure-host=it's.example"]  # pip prints repr(value)
   assert env == {"SSL_CERT_FILE": "/etc/ssl/certs/ca-certificates.crt",
                  "UV_HTTP_TIMEOUT": "180"}
 
