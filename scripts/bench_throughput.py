@@ -27,12 +27,13 @@ import tempfile
 import numpy as np
 from tqdm import tqdm
 
+from knittrans_jax.job.metrics import read_metrics
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def steady_traj_per_s(workdir: str, skip_steps: int) -> float:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    recs = [json.loads(line) for line in f if line.strip()]
+  recs = read_metrics(workdir)
   if len(recs) <= skip_steps + 1:
     raise ValueError(f"{workdir}: {len(recs)} steps, not more than the {skip_steps} skipped + 1")
   start, rest = recs[skip_steps - 1] if skip_steps else None, recs[skip_steps:]

@@ -31,6 +31,7 @@ def main():
   parser.add_argument("--rtol", type=float, default=1e-5)
   parser.add_argument("--atol", type=float, default=1e-6)
   args = parser.parse_args()
+  from knittrans_jax.job.metrics import read_metrics
   from knittrans_jax.job.replay import replay, run_state
 
   run = os.path.abspath(args.run_dir)
@@ -41,8 +42,7 @@ def main():
   gin.parse_config_file(os.path.join(run, "config.gin"))
   with tempfile.TemporaryDirectory() as work:
     job = replay(run, os.path.join(work, "replay"), consumers)
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-      logged = [json.loads(line) for line in f if line.strip()]
+    logged = read_metrics(run)
     ok = True
     print(f"{'step':>5} {'loss (run)':>14} {'loss (1 proc)':>14} {'grad_norm (run)':>16} "
           f"{'grad_norm (1 proc)':>18}")

@@ -52,7 +52,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from knittrans_jax import gin_cli  # noqa: E402
 from knittrans_jax.study import plots  # noqa: E402
-from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching, read_metrics  # noqa: E402
+from knittrans_jax.job.metrics import read_metrics  # noqa: E402
+from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching  # noqa: E402
 from knittrans_jax.study.stats import (paired_difference, paired_gap_closed,  # noqa: E402
                                        saturating_fit, t_interval)
 

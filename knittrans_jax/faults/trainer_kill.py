@@ -7,7 +7,6 @@ kill covered is still there, with the same ids (nothing consumed is forgotten).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,22 +16,9 @@ import time
 import numpy as np
 
 from knittrans_jax.faults.accounting import Outcome
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.storage import layout as L
-
-
-def _records(workdir: str) -> list[dict]:
-  path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.exists(path):
-    return []
-  out = []
-  with open(path) as f:
-    for line in f:
-      try:
-        out.append(json.loads(line))
-      except json.JSONDecodeError:
-        pass  # a torn last line
-  return out
 
 
 def _start(workdir, gin_file, bindings, resume=False):
@@ -68,7 +54,7 @@ def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
     target = train_batches * 2  # configs/text_grpo_test.gin: 2 mini-batches per train batch
     kill_at = int(rng.integers(2, target - 1))
     deadline = time.time() + timeout
-    while len(_records(work)) < kill_at and proc.poll() is None and time.time() < deadline:
+    while len(read_metrics(work, partial=True)) < kill_at and proc.poll() is None and time.time() < deadline:
       time.sleep(0.05)
     time.sleep(float(rng.uniform(0, 0.5)))  # anywhere within the next step
     if proc.poll() is not None:
@@ -77,13 +63,13 @@ def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
     os.killpg(proc.pid, signal.SIGKILL)  # the trainer and its rollout workers
     proc.wait()
     ckpt = _latest_checkpoint(work)
-    kept = {r["step"]: sorted(r["ids"]) for r in _records(work) if r["step"] <= ckpt}
+    kept = {r["step"]: sorted(r["ids"]) for r in read_metrics(work, partial=True) if r["step"] <= ckpt}
     resumed = _start(work, gin_file, bindings, resume=True)
     log, _ = resumed.communicate(timeout=timeout)
     if resumed.returncode != 0:
       out.errors.append(f"trial {t}: --resume failed: {log[-500:]}")
       continue
-    recs = _records(work)
+    recs = read_metrics(work, partial=True)
     ids = [i for r in recs for i in r["ids"]]
     committed = {m.id for m in TrajectoryStore.open(url).list_committed()}
     out.trials += 1

@@ -1,4 +1,9 @@
-"""Per-step metrics of the job: metrics.jsonl, staleness records, the final summary."""
+"""Per-step metrics of the job: metrics.jsonl, staleness records, the final summary.
+
+`MetricsLog` writes a run's metrics.jsonl, one JSON record per optimizer step;
+`read_metrics` is the one reader of it (the studies, figures, benchmarks, replay and
+fault checks all read through it).
+"""
 from __future__ import annotations
 
 import collections
@@ -10,6 +15,36 @@ import numpy as np
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.job.tb_events import ScalarWriter
+
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def read_metrics(workdir_or_path: str, partial: bool = False) -> list[dict]:
+  """The step records of a run's metrics.jsonl (its work dir, or the file itself), in
+  step order: one per optimizer step as `MetricsLog.step` wrote it, with an `eval`
+  entry on the steps that ran the held-out evaluation (the initial policy's is in
+  eval_start.json). Blank lines are skipped; a line that is not JSON is a ValueError
+  naming the file and the line.
+
+  partial: the run may still be writing, or was killed: a missing file reads as no
+  records and a last line that is not JSON (torn mid-write) is left out."""
+  path = workdir_or_path
+  if not path.endswith(".jsonl"):
+    path = os.path.join(path, METRICS_FILE)
+  if partial and not os.path.exists(path):
+    return []
+  with open(path) as f:
+    lines = [(n, line) for n, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for k, (n, line) in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if partial and k == len(lines) - 1:  # only the last line can be torn
+        break
+      raise ValueError(f"{path} line {n} is not JSON ({e.msg}): {line.strip()[:80]!r}") from None
+  return records
 
 
 def engine_vs_trainer(sums: dict) -> dict:
@@ -36,20 +71,10 @@ class MetricsLog:
   def __init__(self, workdir: str, spec: TrainBatchSpec, resume: bool = False,
                upto_step: int = 0):
     self.spec = spec
-    self.path = os.path.join(workdir, "metrics.jsonl")
+    self.path = os.path.join(workdir, METRICS_FILE)
     self.records: list[dict] = []
-    if resume and os.path.exists(self.path):
-      with open(self.path) as f:
-        lines = [line for line in f if line.strip()]
-      records = []
-      for k, line in enumerate(lines):
-        try:
-          records.append(json.loads(line))
-        except json.JSONDecodeError:
-          if k != len(lines) - 1:  # only the last line can be torn (a killed writer)
-            raise ValueError(f"{self.path} line {k + 1} is not JSON: {line[:80]!r}") from None
-      # Steps after the restored checkpoint were undone: drop their records.
-      self.records = [r for r in records if r["step"] <= upto_step]
+    if resume:  # a killed run's last line may be torn; steps after the checkpoint are undone
+      self.records = [r for r in read_metrics(self.path, partial=True) if r["step"] <= upto_step]
     with open(self.path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in self.records)
     self.arch: list[int] = [a for r in self.records for a in r.get("arch", [])]

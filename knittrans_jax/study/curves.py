@@ -1,6 +1,7 @@
 """Learning curves of one run from its metrics.jsonl: the held-out evaluation of the
 current policy (job/evaluation.py), not the reward of the stale samples it trained on.
 
+    records = read_metrics(workdir)          # knittrans_jax.job.metrics
     curve = eval_curve(records, "sampled")   # [(step, train_s, reward)]
     final_reward(curve, steps)               # mean over the last `tail` of the steps
     first_reaching(curve, 0.5)               # (step, train_s) or None
@@ -10,15 +11,7 @@ configurations compare on training time alone. Pure Python.
 """
 from __future__ import annotations
 
-import json
-import os
-
 METRICS = ("greedy", "sampled")
-
-
-def read_metrics(workdir: str) -> list[dict]:
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def eval_curve(records: list[dict], metric: str = "sampled") -> list[tuple[int, float, float]]:
