@@ -22,10 +22,13 @@ def brute_residual(residual, slots, g, bounds):
 
 @settings(max_examples=300, deadline=None)
 @given(st.data())
-def test_closed_form_residual_check_matches_brute_force(data):
+def test_count_intervals_admit_exactly_the_counts_that_leave_a_feasible_residual(data):
+  """The closed form (*) behind count_intervals, against brute force: a count vector
+  x (sum g) is within every [a_s, b_s] iff x is within the bounds and the residual
+  needed - x fills the slots_left - 1 later mini-batches."""
   S = data.draw(st.integers(1, 3))
   g = data.draw(st.integers(1, 4))
-  slots = data.draw(st.integers(0, 3))
+  slots_left = data.draw(st.integers(1, 4))
   sources = [f"s{i}" for i in range(S)]
   bounds = {}
   for s in sources:
@@ -33,12 +36,20 @@ def test_closed_form_residual_check_matches_brute_force(data):
     bounds[s] = (lo, data.draw(st.integers(lo, g)))
   if not sum(b[0] for b in bounds.values()) <= g <= sum(b[1] for b in bounds.values()):
     return  # the spec refuses such bounds (tested below)
-  # Column sums that add up to slots * g, so only the bounds decide.
-  cuts = sorted(data.draw(st.lists(st.integers(0, slots * g), min_size=S - 1, max_size=S - 1)))
-  parts = [b - a for a, b in zip([0] + cuts, cuts + [slots * g])]
-  residual = dict(zip(sources, parts))
-  assert F.residual_feasible(residual, slots, bounds.__getitem__) == brute_residual(
-      residual, slots, g, bounds)
+  # What the train batch still needs adds up to slots_left * g, so only the bounds decide.
+  total = slots_left * g
+  cuts = sorted(data.draw(st.lists(st.integers(0, total), min_size=S - 1, max_size=S - 1)))
+  needed = dict(zip(sources, [b - a for a, b in zip([0] + cuts, cuts + [total])]))
+  intervals = F.count_intervals(needed, {s: total for s in sources}, slots_left,
+                                bounds.__getitem__)
+  for x in itertools.product(range(g + 1), repeat=S):
+    if sum(x) != g:
+      continue
+    admitted = all(intervals[s][0] <= c <= intervals[s][1] for s, c in zip(sources, x))
+    brute = (all(bounds[s][0] <= c <= bounds[s][1] for s, c in zip(sources, x))
+             and brute_residual({s: needed[s] - c for s, c in zip(sources, x)},
+                                slots_left - 1, g, bounds))
+    assert admitted == brute, (needed, slots_left, bounds, x, intervals)
 
 
 def test_spec_defaults_and_gin():

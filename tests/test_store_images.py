@@ -11,7 +11,7 @@ import tensorstore as ts
 import xxhash
 from store_helpers import SOURCES, check_payload, group
 
-from knittrans_jax.storage import (CorruptUnitError, Image, StoreError, StoreSchema,
+from knittrans_jax.storage import (CorruptUnitError, Image, StoreSchema,
                                    TrajectoryStore, TrajectoryValidationError, image_id)
 from knittrans_jax.storage import layout as L
 
@@ -81,7 +81,8 @@ def test_a_bare_array_is_hashed_once_by_the_writer(count_hashes):
   w = store.writer("u")
   w.append(_with_images(group(SEED, 0, N), Image(iid, array)), images=[array] * N)
   assert count_hashes["xxh3_128"] == 1  # the same array object N times: hashed once
-  assert w.put_images([array, array]) == [iid, iid] and count_hashes["xxh3_128"] == 2
+  w.append([], images=[array, array])  # a later call hashes it again, once
+  assert count_hashes["xxh3_128"] == 2 and w.commit.images == 1
 
 
 def test_a_wrong_id_is_stored_as_given_and_caught_on_read():
@@ -216,8 +217,6 @@ def test_no_dedup_needs_the_images_in_the_same_call():
   w.append(_with_images(group(SEED, 0, 2), image), images=[image])
   with pytest.raises(TrajectoryValidationError, match="'image_ids'.*dedup_images=False"):
     w.append(_with_images(group(SEED, 1, 2), image))
-  with pytest.raises(StoreError, match="put_images needs StoreSchema.dedup_images=True"):
-    w.put_images([image])
   with pytest.raises(ValueError, match="dedup_images must be a bool"):
     StoreSchema(dedup_images="no")
 

@@ -106,9 +106,10 @@ def test_same_image_stored_once(url):
   payload = store.read(metas).result()
   assert list(payload.images) == [iid]
   assert payload.nbytes < 2 * img.nbytes  # the image is not repeated per trajectory
-  # put_images stores ahead of the trajectories; another unit stores its own copy.
+  # Another unit stores its own copy, once however often it is passed.
   other = store.writer("vlm2")
-  assert other.put_images([img, img]) == [iid, iid] and other.commit.images == 1
+  assert other.append([], images=[img, img]) == [] and other.commit.images == 1
+  assert store.reader("vlm2").image_ids() == [iid]
 
 
 def test_store_errors(url):

@@ -70,12 +70,6 @@ def counts_admissible(intervals: Mapping[str, tuple[int, int]], g: int) -> bool:
           and sum(a for a, _ in intervals.values()) <= g <= sum(b for _, b in intervals.values()))
 
 
-def residual_feasible(residual: Mapping[str, int], slots: int,
-                      bounds: Callable[[str], tuple[int, int]]) -> bool:
-  """Can `slots` mini-batches take exactly `residual[s]` groups of each source? (*)"""
-  return all(slots * bounds(s)[0] <= c <= slots * bounds(s)[1] for s, c in residual.items())
-
-
 def choose(pool: Mapping[str, Sequence[GroupInfo]], intervals: Mapping[str, tuple[int, int]],
            g: int, key: Callable[[GroupInfo], tuple]) -> list[GroupInfo] | None:
   """Best admissible set by `key` (smallest first); None if no count vector exists.

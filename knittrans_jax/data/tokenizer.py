@@ -91,13 +91,6 @@ class Tokenizer:
   def vocab_size(self) -> int:
     return self._tok.get_vocab_size(with_added_tokens=True)
 
-  @property
-  def eos_id(self) -> int:
-    if not self.stop_ids:
-      raise TokenizerError(f"{self.source}: no eos_token in tokenizer_config.json and no "
-                           "eos_token_id in generation_config.json")
-    return self.stop_ids[0]
-
   def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
     return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 

@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from knittrans_jax.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.models.layers import wide
 from knittrans_jax.models.vlm import vlm_forward
 from knittrans_jax.train.batch import batch_shardings
-from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
 
 ENCODER_KEYS = ("encoder", "projector")  # the toy VLM's image path: ViT, then projector
@@ -316,11 +316,6 @@ class EncodeOnceStep:
       embeds, vjp_fn = self._encode(params, images)
       return Encoded(embeds, vjp_fn)
     return Encoded(self._encode(params, images), None)
-
-  @staticmethod
-  def residual_bytes(encoded: Encoded) -> int:
-    """Bytes the kept encoder activations hold until the VJP (0 when recomputing)."""
-    return sum(x.nbytes for x in jax.tree.leaves(encoded.residuals))
 
   def zero_embed_grads(self, encoded: Encoded):
     return self._zero_e(encoded.embeds)

@@ -173,10 +173,6 @@ class UnitReader:
         loss_tokens=loss[r])
         for r in range(stop - start)]
 
-  def image_location(self, image_id: str) -> tuple[int, int, np.dtype, tuple[int, ...]]:
-    """(byte start, byte end, dtype, shape) of a committed image of this unit."""
-    return self.image_at(self.image_row(image_id))
-
   def image_row(self, image_id: str) -> int:
     """The image table row that holds `image_id` (with dedup, its only copy)."""
     if image_id not in self._image_pos:

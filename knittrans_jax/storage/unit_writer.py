@@ -128,17 +128,6 @@ class UnitWriter:
       new = [(iid, pool[iid]) for row in refs for iid in row]
     return self._write(packed, new)
 
-  def put_images(self, images: Sequence[Image | np.ndarray]) -> list[str]:
-    """Stores images ahead of the trajectories that will use them; returns their ids."""
-    if not self.schema.dedup_images:
-      raise StoreError(f"unit '{self.unit}': put_images needs StoreSchema.dedup_images=True; "
-                       "without it each trajectory stores its own copy, so pass images to "
-                       "append(..., images=...) with the trajectories that use them")
-    self._resync()
-    ids, pool = self._resolve_images(images)
-    self._write(None, [(iid, im) for iid, im in pool.items() if iid not in self._image_index])
-    return ids
-
   def _resolve_images(self, images) -> tuple[list[str], dict[str, np.ndarray]]:
     """Each image's id, in order, and the arrays to store by id (validated).
 
