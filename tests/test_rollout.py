@@ -23,13 +23,15 @@ def test_sampler_logprobs_match_the_training_forward(temperature):
   prompts = [rng.integers(2, 64, int(rng.integers(3, 9))).astype(np.int32) for _ in range(6)]
   cfg = SamplerConfig(max_new_tokens=12, temperature=temperature, stop_tokens=(1,))
   out = generate(graphdef, params, prompts, jax.random.key(1), cfg)
-  seqs = [np.concatenate([p, resp]) for p, (resp, _) in zip(prompts, out)]
+  seqs = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
   L = max(map(len, seqs))  # right-padded: causal attention keeps each row's prefix exact
   padded = jnp.asarray(np.stack([np.pad(s, (0, L - len(s))) for s in seqs]))
   valid = jnp.asarray(np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None])
   ref = np.asarray(jax.jit(lambda t, v: token_logprobs(
       nnx.merge(graphdef, params)(t, v) / temperature, t)[0])(padded, valid))
-  for i, (p, (resp, lp)) in enumerate(zip(prompts, out)):
+  for i, (p, o) in enumerate(zip(prompts, out)):
+    resp, lp = o.tokens, o.logprobs
+    assert o.inserted is None  # no tool given
     assert 1 <= resp.size <= 12 and lp.shape == resp.shape
     assert (resp[:-1] != 1).all()  # stops at the first stop token
     np.testing.assert_allclose(lp, ref[i, p.size:p.size + resp.size], atol=2e-5)
@@ -42,7 +44,7 @@ def test_top_p_keeps_only_the_nucleus():
   prompts = [np.array([2, 3, 16, 6], np.int32)] * 32
   greedy = generate(graphdef, params, prompts, jax.random.key(0),
                     SamplerConfig(max_new_tokens=1, top_p=1e-6))
-  assert len({int(r[0]) for r, _ in greedy}) == 1  # only the top token survives
+  assert len({int(o.tokens[0]) for o in greedy}) == 1  # only the top token survives
 
 
 def test_top_p_behaviour_logprobs_are_the_nucleus_distribution():
@@ -57,7 +59,8 @@ def test_top_p_behaviour_logprobs_are_the_nucleus_distribution():
   out = generate(graphdef, params, prompts, jax.random.key(3),
                  SamplerConfig(max_new_tokens=6, top_p=top_p, stop_tokens=(1,)))
   folded = 0
-  for p, (resp, lp) in zip(prompts, out):
+  for p, o in zip(prompts, out):
+    resp, lp = o.tokens, o.logprobs
     seq = np.concatenate([p, resp])
     logits = np.asarray(model(jnp.asarray(seq[None]), jnp.ones((1, seq.size), bool)))[0]
     for t, tok in enumerate(resp):
@@ -137,6 +140,47 @@ def test_a_group_samples_the_same_however_groups_share_a_call():
     generate(graphdef, params, [np.array([2, 3], np.int32)] * 3, jax.random.split(jax.random.key(0), 2), cfg)
 
 
+def test_the_jax_engine_takes_typed_requests_and_keys_a_response_by_its_seed():
+  """The engine builds from its spec (no suite) and sees requests only: the suite makes
+  each request from a task the caller keeps (the lookup task's tool as a ToolInsert).
+  Its groups equal the colocated reference's, and a response's draws follow its
+  integer seed alone: the same seeds under another group id sample the same."""
+  import dataclasses
+
+  from knittrans_jax.rollout.engine import EngineSpec, ToolInsert
+  from knittrans_jax.rollout.engines import make_engine
+  from knittrans_jax.rollout.groups import Suite
+  with nnx.use_eager_sharding(False):
+    model = DecoderLM(CFG, nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  suite, cfg = Suite("text"), SamplerConfig(max_new_tokens=8)
+  sources = {g: ("lookup", "chain", "count")[g % 3] for g in range(20, 25)}
+  held = {g: suite.task(7, g, s) for g, s in sources.items()}
+  reqs = [suite.request(t, 7, g, 3) for g, t in held.items()]
+  for r, t in zip(reqs, held.values()):
+    assert r.image is None
+    if t.source == "lookup":
+      assert isinstance(r.tool, ToolInsert) and r.tool.call_token == tasks.CALL
+      np.testing.assert_array_equal(r.tool.output, t.tool_output)
+    else:
+      assert r.tool is None
+  spec = EngineSpec("jax", CFG, cfg, seed=7, groups_per_call=2, prompts=suite.prompt_spec)
+  engine = make_engine(spec, graphdef, params, 0)
+  done = engine.generate(reqs)
+  ref = rollout_groups(graphdef, params, 0, 7, list(sources.items()), 3, cfg)
+  for g, want in zip(done, ref):
+    rolled = suite.rolled(held[g.request.group_id], g)
+    for x, y in zip(rolled.trajectories, want.trajectories):
+      assert x.reward == y.reward
+      np.testing.assert_array_equal(x.response_tokens, y.response_tokens)
+      np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+  moved = engine.generate([dataclasses.replace(reqs[1], group_id=99)])[0]
+  assert [r.tokens.tolist() for r in moved.responses] == [
+      r.tokens.tolist() for r in done[1].responses]
+  with pytest.raises(ValueError, match="groups_per_call = None"):
+    EngineSpec("jax", CFG, cfg, seed=7)
+
+
 def test_vlm_sampler_logprobs_match_the_training_forward():
   """A group's image is encoded once in the sampler (image_index); the log-probs
   still match the trainer's VLM forward with the image as prefix."""
@@ -156,16 +200,16 @@ def test_vlm_sampler_logprobs_match_the_training_forward():
   cfg = SamplerConfig(max_new_tokens=6, temperature=1.0, stop_tokens=(1,))
   out = generate(graphdef, params, prompts, jax.random.key(2), cfg, images=images,
                  image_index=index)
-  seqs = [np.concatenate([p, resp]) for p, (resp, _) in zip(prompts, out)]
+  seqs = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
   L = max(map(len, seqs))  # right-padded: one jitted forward for every row
   padded = jnp.asarray(np.stack([np.pad(s, (0, L - len(s))) for s in seqs]))
   valid = jnp.asarray(np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None])
   ref = np.asarray(jax.jit(lambda im, t, v: token_logprobs(
       nnx.merge(graphdef, params)(im, t, v), t)[0])(jnp.asarray(images[index]), padded, valid))
-  for k, (p, (resp, lp)) in enumerate(zip(prompts, out)):
-    np.testing.assert_allclose(lp, ref[k, p.size:p.size + resp.size], atol=2e-5)
+  for k, (p, o) in enumerate(zip(prompts, out)):
+    np.testing.assert_allclose(o.logprobs, ref[k, p.size:p.size + o.tokens.size], atol=2e-5)
   # The image matters: the same prompt with another image gives other log-probs.
-  seq = np.concatenate([prompts[0], out[0][0]])[None]
+  seq = np.concatenate([prompts[0], out[0].tokens])[None]
   other = model(jnp.asarray(images[1:2]), jnp.asarray(seq), jnp.ones_like(seq, bool))
   mine = model(jnp.asarray(images[0:1]), jnp.asarray(seq), jnp.ones_like(seq, bool))
   assert np.abs(np.asarray(other) - np.asarray(mine)).max() > 1e-4
@@ -219,14 +263,15 @@ def test_a_tool_call_inserts_its_output_into_the_context_unsampled():
   cfg = SamplerConfig(max_new_tokens=16, temperature=T)
   out = generate(graphdef, params, prompts, jax.random.key(4), cfg, tool_outputs=tool,
                  call_token=tasks.CALL)
-  seqs = [np.concatenate([p, o[0]]) for p, o in zip(prompts, out)]
+  seqs = [np.concatenate([p, o.tokens]) for p, o in zip(prompts, out)]
   L = max(map(len, seqs))
   padded = np.stack([np.pad(s, (0, L - len(s))) for s in seqs])
   valid = np.arange(L)[None] < np.array([len(s) for s in seqs])[:, None]
   ref = np.asarray(token_logprobs(model(jnp.asarray(padded), jnp.asarray(valid)) / T,
                                   jnp.asarray(padded))[0])  # one forward for every row
   called = 0
-  for i, (p, (resp, lp, inserted)) in enumerate(zip(prompts, out)):
+  for i, (p, o) in enumerate(zip(prompts, out)):
+    resp, lp, inserted = o.tokens, o.logprobs, o.inserted
     calls = np.flatnonzero(resp == tasks.CALL)
     want = np.zeros(resp.size, bool)
     if i < B // 2 and calls.size and calls[0] + 1 < resp.size:

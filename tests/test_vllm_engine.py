@@ -14,7 +14,8 @@ from hf_helpers import make_checkpoint
 
 from knittrans_jax.models import hf
 from knittrans_jax.rl import token_logprobs
-from knittrans_jax.rollout.engine import EngineSpec, GroupRequest, make_engine, response_seeds
+from knittrans_jax.rollout.engine import EngineSpec, GroupRequest, ToolInsert, response_seeds
+from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.sampler import SamplerConfig, _top_p_filter
 
 pytest.importorskip("vllm")
@@ -128,9 +129,17 @@ def test_requests_in_flight_across_an_update_continue_on_the_new_weights(engine,
   engine.update_weights(0, params)
 
 
-def test_a_missing_vllm_a_small_head_or_an_unsupported_mode_is_a_clear_error(monkeypatch, model):
+def test_a_missing_vllm_a_small_head_or_an_unsupported_mode_is_a_clear_error(monkeypatch, model,
+                                                                             engine):
   from knittrans_jax.rollout import vllm_engine
   config = model[0]
+  # What only the JAX sampler does (a tool's insertion mid-response, an image) is refused.
+  plain = requests(90, groups=1)[0]
+  with pytest.raises(ValueError, match="calls a tool mid-response"):
+    engine.add([dataclasses.replace(plain, tool=ToolInsert(9, np.array([10, 16], np.int32)))])
+  with pytest.raises(ValueError, match="takes text prompts only"):
+    engine.add([dataclasses.replace(plain, image=np.zeros((16, 16, 3), np.float32))])
+  assert not engine.busy
   with pytest.raises(ValueError, match="head dim 16 < 32"):
     vllm_engine.check_model(dataclasses.replace(config, head_dim=16))
   from knittrans_jax.admission import TrainBatchSpec

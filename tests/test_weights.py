@@ -50,12 +50,14 @@ def test_resume_removes_versions_of_the_longer_run_and_pruning_keeps_the_newest(
   params = template()
   first = WeightPublisher(str(tmp_path), keep=2)
   for v in range(6):
-    first.publish(v, params)
+    first.write_part(v, params)
+    first.commit(v)
   assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST", "v00000004", "v00000005"]
   # Resumed from the checkpoint at version 3: 4 and 5 belong to the run that went on.
   again = WeightPublisher(str(tmp_path), keep=2, version=3)
   assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST"]
-  again.publish(3, params)
-  again.publish(4, params)
+  for v in (3, 4):
+    again.write_part(v, params)
+    again.commit(v)
   assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST", "v00000003", "v00000004"]
   assert WeightSubscriber(str(tmp_path), params).poll()[0] == 4

@@ -1,11 +1,15 @@
 """The rollout engine interface: what a rollout worker asks of an inference engine.
 
-    engine = make_engine(EngineSpec('vllm', ...), graphdef, first_weights, version, suite)
+    engine = make_engine(EngineSpec('vllm', ...), graphdef, first_weights, version)
     engine.add(requests)                 # GroupRequests: token-id prompts, n, one seed each
     while engine.busy:
       engine.update_weights(v, params)   # between engine steps, whenever v is published
       for group in engine.step():        # the groups whose last response just finished
         ...                              # score, commit to the store, report
+
+This module is the interface only (data and an ABC); the factory `make_engine` is in
+rollout/engines.py, which imports the backends. Engines see requests, never tasks:
+the caller keeps each group's task beside its request and scores with it.
 
 Backends (`ENGINES`): 'jax' (rollout/jax_engine.py: the project's KV-cache sampler, a
 static batch of up to `groups_per_call` groups per step; the reference, and the only
@@ -21,26 +25,40 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # types only: this module loads neither JAX nor the image processor
+  from knittrans_jax.multimodal.qwen_images import QwenImageInputs
+  from knittrans_jax.rollout.sampler import SamplerConfig
 
 ENGINES = ("jax", "vllm")
 
 
 @dataclasses.dataclass(frozen=True)
+class ToolInsert:
+  """What a tool inserts into a response (multi-turn tasks): the first time the
+  response samples `call_token`, the tokens `output` follow it, unsampled (log-prob 0,
+  no loss on them), and sampling goes on from a context that holds them."""
+  call_token: int
+  output: np.ndarray  # int32 [K]
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupRequest:
-  """One GRPO group: n responses to one prompt. `seeds[i]` seeds response i (engines
-  that take integer seeds; the JAX engine keys response i by (job seed, group id, i),
-  which is the same function of the request). `extra`: what only the JAX engine takes
-  (a VLM's image, a Qwen-VL prompt's image inputs)."""
+  """One GRPO group: n responses to one prompt. `seeds[i]` seeds response i on every
+  engine (`response_seeds`). `image`: the group's one image, shared by its n responses
+  (a VLM's float32 [S, S, 3]; for Qwen-VL the stored uint8 image, which
+  EngineSpec.prompts.image_inputs processes). `tool`: what a tool inserts, if the
+  task calls one."""
   group_id: int
   source: str
   prompt: np.ndarray  # int32 [P]
   n: int
   seeds: tuple[int, ...]
-  extra: Any = None
-  task: Any = None  # the caller's (the worker scores with it); engines ignore it
+  image: np.ndarray | None = None
+  tool: ToolInsert | None = None
 
   def __post_init__(self):
     if len(self.seeds) != self.n:
@@ -68,21 +86,38 @@ class FinishedGroup:
 
 
 @dataclasses.dataclass(frozen=True)
+class PromptSpec:
+  """How the JAX sampler lays out a suite's prompts. `length`: prompts are left-padded
+  to it (a fixed shape, one compilation; None: each call's longest prompt).
+  `image_inputs`: Qwen-VL's processor of the requests' stored images (M-RoPE prefill);
+  None: a request's image is a VLM's float image. `banned`: ids that belong in prompts
+  only and are never sampled (the vision special tokens)."""
+  length: int | None = None
+  image_inputs: QwenImageInputs | None = None
+  banned: tuple[int, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
 class EngineSpec:
-  """What a worker needs to build its engine (picklable, sent to worker processes).
-  `model_config`: the decoder's DecoderConfig; `options`: backend options
-  (VllmOptions for 'vllm')."""
+  """What a worker needs to build its engine. `model_config`: the decoder's
+  DecoderConfig; `groups_per_call`: the 'jax' engine's static batch (groups per
+  sampler call; JobConfig.groups_per_call), which the 'vllm' engine, batching
+  continuously, does without; `options`: backend options (VllmOptions for 'vllm')."""
   name: str
   model_config: Any
-  sampler: Any  # rollout.sampler.SamplerConfig
+  sampler: SamplerConfig
   seed: int
-  groups_per_call: int = 4
+  groups_per_call: int | None = None
   options: Any = None
   workdir: str | None = None  # where an engine that loads from disk writes its weights
+  prompts: PromptSpec = PromptSpec()
 
   def __post_init__(self):
     if self.name not in ENGINES:
       raise ValueError(f"rollout engine {self.name!r} is unknown; use one of {ENGINES}")
+    if self.name == "jax" and (self.groups_per_call is None or self.groups_per_call < 1):
+      raise ValueError(f"EngineSpec.groups_per_call = {self.groups_per_call}: the 'jax' engine "
+                       "needs its static batch (>= 1 groups per sampler call)")
 
 
 class RolloutEngine(abc.ABC):
@@ -122,19 +157,7 @@ class RolloutEngine(abc.ABC):
 
 
 def response_seeds(seed: int, group_id: int, n: int) -> tuple[int, ...]:
-  """Integer seeds of a group's n responses: a pure function of (seed, group id, i)."""
+  """Integer seeds of a group's n responses: a pure function of (seed, group id, i),
+  the one seeding of a response (the JAX engine makes its key from the integer)."""
   state = np.random.SeedSequence([seed, group_id]).generate_state(n, np.uint32)
   return tuple(int(s) >> 1 for s in state)  # 31 bits: any engine's int seed takes them
-
-
-def make_engine(spec: EngineSpec, graphdef, params, version: int, suite=None) -> RolloutEngine:
-  """The engine `spec` names, holding `params` (an nnx.State of host arrays) at `version`.
-  `suite`: the task suite (rollout/groups.Suite) the JAX engine needs for prompt lengths
-  and a vision suite's images. Imported here, not above: vLLM loads only when used."""
-  if spec.name == "vllm":
-    from knittrans_jax.rollout.vllm_engine import VllmEngine
-    return VllmEngine(spec, params, version)
-  from knittrans_jax.rollout.jax_engine import JaxEngine
-  if suite is None:
-    raise ValueError("the 'jax' rollout engine needs the task suite (rollout/groups.Suite)")
-  return JaxEngine(spec, graphdef, params, version, suite)

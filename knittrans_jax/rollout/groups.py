@@ -17,7 +17,8 @@ from knittrans_jax.data import split
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
-from knittrans_jax.rollout.engine import FinishedGroup, GroupRequest, response_seeds
+from knittrans_jax.rollout.engine import (FinishedGroup, GroupRequest, PromptSpec, ToolInsert,
+                                          response_seeds)
 from knittrans_jax.rollout.jax_engine import generate_groups
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.storage import Image
@@ -89,8 +90,9 @@ class RolledGroup:
 
 @dataclasses.dataclass(frozen=True)
 class Suite:
-  """A task suite as rollout sees it: requests from (group id, source), trajectories
-  from finished groups. `vision`: the run's vision spec (models/vision_spec.py), which
+  """A task suite as rollout sees it: a group's task, the engine request of a task
+  (engines never see the task: the caller keeps it beside the request), trajectories
+  from a finished group and its task. `vision`: the run's vision spec (models/vision_spec.py), which
   the 'vision' suite needs: its images' size, and for a Qwen-VL checkpoint prompts
   that carry the image's pad tokens and the uint8 image the store keeps
   (rollout/qwen_vision_tasks.py)."""
@@ -128,22 +130,31 @@ class Suite:
   def prompt(self, task) -> np.ndarray:
     return self.qwen.prompt(task) if self.qwen is not None else task.prompt
 
-  def request(self, seed: int, group_id: int, source: str, n: int) -> GroupRequest:
-    """The engine request of a group; a vision group's `extra` is its stored image."""
-    task = self.task(seed, group_id, source)
-    image = None
+  @property
+  def prompt_spec(self) -> PromptSpec:
+    """How the JAX engine lays out this suite's prompts (EngineSpec.prompts)."""
+    qwen = self.qwen
+    return PromptSpec(self.prompt_len, None if qwen is None else qwen.inputs,
+                      () if qwen is None else qwen.special_ids)
+
+  def request(self, task, seed: int, group_id: int, n: int) -> GroupRequest:
+    """The engine request of group `group_id` (task `task`): its prompt, n seeds, a
+    vision group's stored image, what a multi-turn task's tool inserts."""
+    image = tool = None
     if self.name == "vision":
       image = self.qwen.stored_image(task) if self.qwen is not None else task.image
-    return GroupRequest(group_id, source, np.asarray(self.prompt(task), np.int32), n,
-                        response_seeds(seed, group_id, n), extra=image, task=task)
+    if isinstance(task, tasks.Task) and task.tool_output is not None:
+      tool = ToolInsert(self.call_token, np.asarray(task.tool_output, np.int32))
+    return GroupRequest(group_id, task.source, np.asarray(self.prompt(task), np.int32), n,
+                        response_seeds(seed, group_id, n), image=image, tool=tool)
 
-  def rolled(self, seed: int, group: FinishedGroup) -> RolledGroup:
-    """A finished group scored: its trajectories, and its image (stored once)."""
+  def rolled(self, task, group: FinishedGroup) -> RolledGroup:
+    """A finished group scored against its task: its trajectories, and its image
+    (stored once)."""
     req = group.request
-    task = req.task if req.task is not None else self.task(seed, req.group_id, req.source)
     score = ({"vision": vision_tasks.score, "text": tasks.score}.get(self.name)
              or self.math.suite().score)
-    images = [Image.of(req.extra)] if self.name == "vision" else []  # the only hash of it
+    images = [Image.of(req.image)] if self.name == "vision" else []  # the only hash of it
     ids = tuple(im.id for im in images)
     return RolledGroup([
         Trajectory(prompt_tokens=req.prompt, response_tokens=r.tokens, logprobs=r.logprobs,
@@ -163,11 +174,13 @@ def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tup
   """Generates n responses for each (group id, source) in one JAX sampler call (the
   colocated reference and held-out evaluation; rollout workers run an engine).
 
-  Response i of group g samples with key (seed, g, i) (rollout/jax_engine.group_keys),
-  so a group comes out the same however groups are batched into calls: a worker's few, the
-  colocated reference's many (up to float reassociation in batched matmuls).
+  Response i of group g samples with the key of its seed, a function of (seed, g, i)
+  (engine.response_seeds, jax_engine.response_keys), so a group comes out the same
+  however groups are batched into calls: a worker's few, the colocated reference's many
+  (up to float reassociation in batched matmuls).
   """
   tasks_ = Suite(suite, math, vision)
-  reqs = [tasks_.request(seed, gid, source, n) for gid, source in requests]
-  finished = generate_groups(graphdef, params, version, seed, reqs, sampler, tasks_)
-  return [tasks_.rolled(seed, g) for g in finished]
+  pairs = [(tasks_.task(seed, gid, source), gid) for gid, source in requests]
+  reqs = [tasks_.request(task, seed, gid, n) for task, gid in pairs]
+  finished = generate_groups(graphdef, params, version, reqs, sampler, tasks_.prompt_spec)
+  return [tasks_.rolled(task, g) for (task, _), g in zip(pairs, finished)]

@@ -10,63 +10,66 @@ Weights are swapped between calls: every response of a step has one version.
 """
 from __future__ import annotations
 
-import functools
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest, Response,
-                                          RolloutEngine)
+from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest, PromptSpec,
+                                          Response, RolloutEngine)
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
-
-@functools.partial(jax.jit, static_argnums=2)
-def _group_keys(seed, group_ids, n):
-  keys = jax.vmap(jax.random.fold_in, (None, 0))(jax.random.key(seed), group_ids)
-  return jax.vmap(lambda k: jax.random.split(k, n))(keys).reshape(-1)
+_keys = jax.jit(jax.vmap(jax.random.key))
 
 
-def group_keys(seed: int, group_ids: list[int], n: int) -> jax.Array:
-  """One sampling key per response: [len(group_ids) * n], group-major."""
-  return _group_keys(np.uint32(seed), np.asarray(group_ids, np.uint32), n)
+def response_keys(seeds) -> jax.Array:
+  """One sampling key per response, from its integer seed (GroupRequest.seeds): the
+  key is a function of the seed alone, so a response draws the same in any call."""
+  return _keys(np.asarray(seeds, np.uint32))
 
 
-def generate_groups(graphdef, params, version: int, seed: int, requests: list[GroupRequest],
-                    sampler: SamplerConfig, suite, seconds: float | None = None
-                    ) -> list[FinishedGroup]:
-  """Every response of `requests` in one sampler call. Response i of group g samples
-  with key (seed, g, i) (`group_keys`). `suite`: rollout/groups.Suite (a vision group's
-  `extra` is its image)."""
+def generate_groups(graphdef, params, version: int, requests: list[GroupRequest],
+                    sampler: SamplerConfig, prompts: PromptSpec = PromptSpec(),
+                    seconds: float | None = None) -> list[FinishedGroup]:
+  """Every response of `requests` in one sampler call; response i of a group samples
+  with the key of its seed `seeds[i]` (`response_keys`)."""
   if not requests:
     return []
-  n = requests[0].n
-  prompts = [r.prompt for r in requests for _ in range(r.n)]
-  rng = group_keys(seed, [r.group_id for r in requests], n)
+  rows = [r.prompt for r in requests for _ in range(r.n)]
+  rng = response_keys([s for r in requests for s in r.seeds])
+  index = np.repeat(np.arange(len(requests)), [r.n for r in requests])  # row -> its group
   extra = {}
-  if suite.name == "vision":
-    stored = [r.extra for r in requests]
-    qwen = suite.qwen
-    extra = dict(images=stored if qwen is not None else np.stack(stored),
-                 image_index=np.repeat(np.arange(len(requests)), n),
-                 qwen=qwen.inputs if qwen is not None else None,
-                 banned=qwen.special_ids if qwen is not None else ())
-  tools = [getattr(r.task, "tool_output", None) for r in requests]
+  with_image = [r.image is not None for r in requests]
+  if any(with_image):
+    if not all(with_image):
+      raise ValueError(f"groups {[r.group_id for r in requests if r.image is None]} have no "
+                       "image where the others of the call have one")
+    stored = [r.image for r in requests]
+    qwen = prompts.image_inputs
+    extra = dict(images=stored if qwen is not None else np.stack(stored), image_index=index,
+                 qwen=qwen)
+  tools = [r.tool for r in requests]
   if any(t is not None for t in tools):  # multi-turn tasks: rows without a tool get -1s
-    width = max(len(t) for t in tools if t is not None)
-    rows = [np.full(width, -1, np.int32) if t is None else np.asarray(t, np.int32)
-            for t in tools]
-    extra.update(tool_outputs=np.repeat(np.stack(rows), n, axis=0),
-                 call_token=suite.call_token)
-  outs = generate(graphdef, params, prompts, rng, sampler, prompt_len=suite.prompt_len, **extra)
+    calls = {t.call_token for t in tools if t is not None}
+    if len(calls) > 1:
+      raise ValueError(f"one sampler call takes one tool call token, got {sorted(calls)}")
+    width = max(len(t.output) for t in tools if t is not None)
+    outputs = [np.full(width, -1, np.int32) if t is None else np.asarray(t.output, np.int32)
+               for t in tools]
+    extra.update(tool_outputs=np.stack(outputs)[index], call_token=calls.pop())
+  outs = generate(graphdef, params, rows, rng, sampler, prompt_len=prompts.length,
+                  banned=prompts.banned, **extra)
   stops = set(sampler.stop_tokens)
-  out = []
-  for k, r in enumerate(requests):
+  out, k = [], 0
+  for r in requests:
     responses = tuple(
-        Response(o[0], o[1], "stop" if o[0].size and int(o[0][-1]) in stops else "length",
-                 (version, version), o[2] if len(o) > 2 and o[2].any() else None)
-        for o in outs[k * n:(k + 1) * n])
+        Response(o.tokens, o.logprobs,
+                 "stop" if o.tokens.size and int(o.tokens[-1]) in stops else "length",
+                 (version, version), o.inserted if o.inserted is not None and o.inserted.any()
+                 else None)
+        for o in outs[k:k + r.n])
+    k += r.n
     out.append(FinishedGroup(r, responses, seconds))
   return out
 
@@ -74,9 +77,8 @@ def generate_groups(graphdef, params, version: int, seed: int, requests: list[Gr
 class JaxEngine(RolloutEngine):
   name = "jax"
 
-  def __init__(self, spec: EngineSpec, graphdef, params, version: int, suite):
-    """`suite`: rollout/groups.Suite (prompt length, a vision suite's image inputs)."""
-    self.spec, self.graphdef, self.suite = spec, graphdef, suite
+  def __init__(self, spec: EngineSpec, graphdef, params, version: int):
+    self.spec, self.graphdef = spec, graphdef
     self.params, self.version = self._device(params), version
     self.queue: list[GroupRequest] = []
     self._compiled: set[int] = set()  # groups-per-call sizes the sampler compiled for
@@ -99,8 +101,8 @@ class JaxEngine(RolloutEngine):
     batch = self.queue[:self.spec.groups_per_call]
     self.queue = self.queue[len(batch):]
     t0 = time.perf_counter()
-    done = generate_groups(self.graphdef, self.params, self.version, self.spec.seed, batch,
-                           self.spec.sampler, self.suite)
+    done = generate_groups(self.graphdef, self.params, self.version, batch, self.spec.sampler,
+                           self.spec.prompts)
     # A call of a new size compiled the sampler first: its time is not the groups'.
     seconds = time.perf_counter() - t0 if len(batch) in self._compiled else None
     self._compiled.add(len(batch))

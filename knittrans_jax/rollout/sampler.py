@@ -2,13 +2,15 @@
 
 Prompts are left-padded to a common length P so that every row's next token goes
 to the same cache slot; RoPE positions count real tokens only, so padding does not
-shift them. Returns the sampled tokens, the behaviour log-probs and the response
-lengths (up to and including the first stop token).
+shift them. `generate` returns one `Sampled` per prompt: the sampled tokens (up to
+and including the first stop token), their behaviour log-probs and, with a tool, the
+tokens it inserted.
 
 Each row samples with its own key (`rng` may be one key per row), so a response is
 a function of its key and the weights alone, not of which other rows share the
 call: a group's responses come out the same from a worker's call of 4 groups and
-from the colocated reference's call of 16 (rollout/groups.py keys them by group id).
+from the colocated reference's call of 16 (rollout/jax_engine.py keys each response
+by its integer seed).
 
 Behaviour log-probs are those of the distribution actually sampled: log-softmax of
 logits / temperature, restricted to the top-p nucleus and renormalised when
@@ -44,6 +46,26 @@ class SamplerConfig:
     if self.temperature <= 0 or not 0 < self.top_p <= 1:
       raise ValueError(f"SamplerConfig: temperature {self.temperature} must be > 0 and top_p "
                        f"{self.top_p} in (0, 1]")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampled:
+  """One prompt's response, host arrays: `tokens` int32 [R] (up to and including the
+  first stop token), `logprobs` float32 [R] (behaviour log-probs; 0 on inserted
+  tokens), `inserted` bool [R] (the tokens a tool inserted; None: no tool was given)."""
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  inserted: np.ndarray | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Decoded:
+  """What the jitted decode loop returns, [B, N] per row (lengths [B])."""
+  tokens: jax.Array
+  logprobs: jax.Array
+  lengths: jax.Array
+  inserted: jax.Array
 
 
 def _top_p_filter(logits, top_p):
@@ -126,7 +148,7 @@ def _generate(graphdef, params, prompts, valid, rng, config: SamplerConfig, imag
           jnp.full((B,), -1, jnp.int32), jnp.zeros((B, N), bool))
   out = jax.lax.while_loop(cond, body, init)
   tokens, logps, live, _, forced = out[6:]
-  return tokens, logps, live.sum(axis=1), forced
+  return _Decoded(tokens, logps, live.sum(axis=1), forced)
 
 
 def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
@@ -146,15 +168,14 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              images: np.ndarray | None = None, image_index: np.ndarray | None = None,
              qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = (),
              tool_outputs: np.ndarray | None = None, call_token: int | None = None
-             ) -> list[tuple[np.ndarray, ...]]:
-  """Samples one response per prompt: [(tokens, behaviour log-probs)], host arrays.
+             ) -> list[Sampled]:
+  """Samples one response per prompt: a `Sampled` each (tokens, behaviour log-probs).
 
   A tool call (multi-turn episodes): with `tool_outputs` [B, K] and `call_token`, the
   first time row i samples `call_token` the K tokens tool_outputs[i] follow it in the
   response and in the context the row goes on from, unsampled (log-prob 0) (a row of
   -1s: that row has no tool); each
-  result is then (tokens, log-probs, inserted), `inserted` True on the tool's tokens
-  (what the loss mask leaves out).
+  result's `inserted` is then True on the tool's tokens (what the loss mask leaves out).
 
   `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
   [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
@@ -190,11 +211,11 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
     if call_token is None:
       raise ValueError("tool_outputs without call_token: which token calls the tool?")
     extra.update(tool=jnp.asarray(tool, jnp.int32), call_token=int(call_token))
-  out_t, out_lp, lengths, forced = jax.device_get(
+  out = jax.device_get(
       _generate(graphdef, params, jnp.asarray(tokens), jnp.asarray(valid), rng, config,
                 banned=tuple(sorted(set(int(b) for b in banned))), **extra))
-  if tool_outputs is not None:
-    return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32),
-             forced[i, :lengths[i]].copy()) for i in range(len(prompts))]
-  return [(out_t[i, :lengths[i]].astype(np.int32), out_lp[i, :lengths[i]].astype(np.float32))
+  lengths = out.lengths
+  return [Sampled(out.tokens[i, :lengths[i]].astype(np.int32),
+                  out.logprobs[i, :lengths[i]].astype(np.float32),
+                  None if tool_outputs is None else out.inserted[i, :lengths[i]].copy())
           for i in range(len(prompts))]

@@ -142,10 +142,10 @@ class VllmEngine(RolloutEngine):
 
   def add(self, requests: list[GroupRequest]) -> None:
     for r in requests:
-      if r.extra is not None:
+      if r.image is not None:
         raise ValueError(f"group {r.group_id}: the 'vllm' engine takes text prompts only "
                          "(a vision group rolls out on the 'jax' engine)")
-      if getattr(r.task, "tool_output", None) is not None:
+      if r.tool is not None:
         raise ValueError(f"group {r.group_id} (source {r.source!r}) calls a tool mid-response, "
                          "which only the 'jax' engine inserts: run it with engine 'jax'")
       if r.group_id in self.groups:

@@ -13,9 +13,9 @@ GPU (written, UNTESTED here: no GPU or CUDA build of vLLM on this machine): the 
 call works, with tensors put on the worker's device by reload_weights. At scale the
 bytes should not pass through the RPC: vLLM's weight-transfer engine (NCCL broadcast
 from a trainer rank that joins the engine's process group, `init_weight_transfer` +
-`update_weights` on the engine) moves them device to device. `load_from_ipc` below is
-the CUDA-IPC form of it for a trainer on the same host, where the trainer exports
-each tensor with torch.multiprocessing's reductions.
+`update_weights` on the engine) moves them device to device; for a trainer on the
+same host, CUDA IPC (each tensor exported with torch.multiprocessing's reductions,
+rebuilt in the worker) would be the form of it. Neither is written here.
 
 TPU: vllm-tpu (tpu-inference) holds the weights as JAX arrays; a JAX trainer on the
 same slice hands over arrays (its `sync_weights`), no bytes at all. Not runnable here.
@@ -34,12 +34,6 @@ class WeightLoader:
                for name, data, dtype, shape in items]
     self.model_runner.reload_weights(weights_iterator=iter(weights))
     self._knittrans_repack_head()
-    return len(weights)
-
-  def knittrans_load_from_ipc(self, handles: list[tuple[str, tuple]]) -> int:  # pragma: no cover
-    """GPU only, UNTESTED: (HF name, torch.multiprocessing reduction of a CUDA tensor)."""
-    weights = [(name, rebuild(*args)) for name, (rebuild, args) in handles]
-    self.model_runner.reload_weights(weights_iterator=iter(weights))
     return len(weights)
 
   def _knittrans_repack_head(self) -> None:

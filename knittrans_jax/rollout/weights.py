@@ -77,11 +77,6 @@ class WeightPublisher:
     for v in older[:-self.keep]:
       shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
 
-  def publish(self, version: int, params) -> None:
-    """One process holding every shard: write and commit."""
-    self.write_part(version, params)
-    self.commit(version, parts=1)
-
 
 class WeightSubscriber:
   """Loads the newest published version into a params tree shaped like `template`."""

@@ -13,6 +13,7 @@ the worker.
 """
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import os
 import queue
@@ -20,8 +21,31 @@ import signal
 import threading
 import time
 import traceback
+from typing import Any
 
 POLL_S = 0.02  # while busy: the queue and the weights are looked at after this much stepping
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerArgs:
+  """What every rollout worker of a run is built from (picklable: sent to worker
+  processes and Ray actors). `n`: the group size; `model_config`: the decoder's
+  DecoderConfig; `sampler_config`: rollout/sampler.SamplerConfig; `suite`: the task
+  suite's name (rollout/groups.SUITES); `vision`: the run's VisionSpec (the 'vision'
+  suite) or None; `math`: rollout/groups.MathSource (the 'math' suite) or None;
+  `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
+  `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
+  (VllmOptions for 'vllm') or None."""
+  seed: int
+  n: int
+  model_config: Any
+  sampler_config: Any
+  suite: str
+  vision: Any
+  math: Any
+  groups_per_call: int
+  engine: str
+  engine_options: Any
 
 
 def one_device_xla_flags(flags: str) -> str:
@@ -31,11 +55,8 @@ def one_device_xla_flags(flags: str) -> str:
                   if not f.startswith("--xla_force_host_platform_device_count"))
 
 
-def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
-                model_config, sampler_config, requests, reports, stop,
-                max_groups_per_call: int = 4, suite: str = "text", vision=None,
-                math=None, host: str | None = None, engine: str = "jax",
-                engine_options=None) -> None:
+def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, requests,
+                reports, stop, host: str | None = None) -> None:
   if threading.current_thread() is threading.main_thread():  # a process of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,21 +64,25 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
-  from knittrans_jax.rollout.engine import EngineSpec, make_engine
+  from knittrans_jax.rollout.engine import EngineSpec
+  from knittrans_jax.rollout.engines import make_engine
   from knittrans_jax.rollout.groups import Suite
   from knittrans_jax.rollout.weights import WeightSubscriber
   from knittrans_jax.storage import TrajectoryStore
 
   try:
+    a, seed = args, args.seed
     with nnx.use_eager_sharding(False):  # shapes only: the weights come from the trainer
-      model = nnx.eval_shape(lambda: make_model(model_config, vision, nnx.Rngs(0)))
+      model = nnx.eval_shape(lambda: make_model(a.model_config, a.vision, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
-    tasks = Suite(suite, math, vision)
-    spec = EngineSpec(engine, model_config, sampler_config, seed, max_groups_per_call,
-                      engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"))
+    tasks = Suite(a.suite, a.math, a.vision)
+    spec = EngineSpec(a.engine, a.model_config, a.sampler_config, seed, a.groups_per_call,
+                      a.engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"),
+                      tasks.prompt_spec)
     rollout = None  # built on the first published weights
+    held: dict[int, Any] = {}  # group id -> its task, which scores the finished group
     parent = multiprocessing.parent_process()
     while not stop.is_set():
       # Take what is queued; wait a little for it only while the engine is idle.
@@ -74,20 +99,22 @@ def worker_main(worker_id: int, workdir: str, store_url: str, seed: int, n: int,
       update = weights.poll()  # sync point: between engine steps
       if update is not None:
         if rollout is None:
-          rollout = make_engine(spec, graphdef, update[1], update[0], suite=tasks)
+          rollout = make_engine(spec, graphdef, update[1], update[0])
         else:
           rollout.update_weights(*update)
       if rollout is None:
         if batch:
           raise RuntimeError("no published weights to generate with")
         continue
-      rollout.add([tasks.request(seed, gid, source, n) for gid, source in batch])
+      for gid, source in batch:
+        held[gid] = tasks.task(seed, gid, source)
+      rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
       # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
       # the weights and `stop`.
       deadline = time.perf_counter() + POLL_S
       while rollout.busy:
         for group in rollout.step():
-          rolled = tasks.rolled(seed, group)
+          rolled = tasks.rolled(held.pop(group.request.group_id), group)
           # The group's image is stored once, however many responses share it.
           metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
           reports.put(("done", worker_id, group.request.group_id, metas, group.seconds))
