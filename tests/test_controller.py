@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from knittrans_jax.admission import TrainBatchSpec, make_policy
-from knittrans_jax.job.controller import Controller, Failed, Finished, JobStalled
+from knittrans_jax.job.controller import Controller, JobStalled
+from knittrans_jax.job.roles import Failed, Finished
 from knittrans_jax.job.progress import ControllerState, ProgressError
-from knittrans_jax.sim.workload import PromptStream
+from knittrans_jax.admission.dispatch import Shuffled
 from knittrans_jax.types import TrajMeta
 
 SOURCES = ("a", "b", "c")
@@ -29,6 +30,7 @@ def spec(**kw):
 class FakePool:
   """Finishes up to `per_poll` queued groups per poll into two units; group rewards
   from `reward(gid)` (equal rewards: zero signal); version from `version()`."""
+  timed_generation, restarts = False, 0
 
   def __init__(self, reward=lambda gid: [0.0, 1.0], per_poll=2, version=lambda: 0):
     self.queue: list[tuple[int, str]] = []
@@ -71,9 +73,9 @@ class Run:
                colocated=False, clock=None, version=0):
     self.spec, self.pool, self.version = sp, pool, version
     self.policy = make_policy(policy, sp)
-    self.ctl = Controller(sp, self.policy, PromptStream(sp, SOURCES, np.random.default_rng(0)),
+    self.ctl = Controller(sp, self.policy, Shuffled(sp, SOURCES, np.random.default_rng(0)),
                           pool, state or ControllerState(),
-                          window=window or 2 * sp.groups_per_batch, colocated=colocated,
+                          window=window or 2 * sp.groups_per_batch, synchronous=colocated,
                           stall_timeout_s=10.0, **({"clock": clock} if clock else {}))
     pool.version = lambda: self.version
     self.trained = []  # (version, mini-batch)
@@ -338,7 +340,7 @@ def test_dispatch_learns_the_generation_time_a_pool_reports():
   policy learns; otherwise its dispatch-to-done time on the controller's clock."""
   seen = []
 
-  class Recording(PromptStream):
+  class Recording(Shuffled):
     def observe(self, source, seconds):
       seen.append((source, seconds))
 

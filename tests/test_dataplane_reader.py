@@ -140,7 +140,7 @@ def test_read_error_surfaces_at_its_micro_batch_and_the_stream_stops(store, tmp_
     s.take()
   with pytest.raises(DataReadError, match=rf"micro-batch {bad} \(units \[.*'u1'.*\], rows"):
     s.take()
-  assert not s.alive()
+  assert not s._thread.is_alive()  # stopped at the error
   with pytest.raises(DataReadError, match="stopped after an earlier error"):
     s.take()
 
@@ -196,7 +196,7 @@ def test_a_stream_runs_jobs_in_feed_order_and_a_failed_job_stops_it(store):
   s.feed([("the image slots", broken), ("f", lambda: job(5))])
   with pytest.raises(DataReadError, match="reading the image slots failed: image chunk unreadable"):
     s.take()
-  assert not s.alive() and 5 not in ran
+  assert not s._thread.is_alive() and 5 not in ran  # stopped at the error
 
 
 def test_close_midway_stops_the_thread(store):
@@ -204,7 +204,7 @@ def test_close_midway_stops_the_thread(store):
   s = stream(OnDemandReads(store), plan, depth=1)
   s.take()
   s.close()
-  assert not s.alive()
+  assert not s._thread.is_alive()
   s.close()  # twice is fine
   with pytest.raises(ValueError, match="depth"):
     Prefetcher(depth=0)

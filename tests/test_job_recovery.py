@@ -92,7 +92,7 @@ def test_failures_around_a_step_then_resume_keep_train_batches_whole(tmp_path, m
   read ahead). Every train batch ends up with M mini-batches, j = 0..M-1, each
   trained once. Before the fix, the final checkpoint recorded the admission position
   of a mini-batch that never trained, and its train batch ran M - 1 mini-batches."""
-  from knittrans_jax.job.run import Job
+  from knittrans_jax.job.local import build_local
   from knittrans_jax.job.trainer import Trainer
   from knittrans_jax.job.work import StepPlanner
   work = tmp_path / "run"
@@ -117,28 +117,28 @@ def test_failures_around_a_step_then_resume_keep_train_batches_whole(tmp_path, m
   monkeypatch.setattr(StepPlanner, "__call__", plan_fails)
   _parse(work, *bindings)
   with pytest.raises(RuntimeError, match="admitting ahead"):
-    Job(str(work)).run()
+    build_local(str(work)).run()
   assert keys() == [(0, 0), (0, 1), (1, 0)]  # the applied step was recorded
   assert (work / "operative_config.gin").exists()  # written at set-up, before the failure
   monkeypatch.setattr(StepPlanner, "__call__", real_plan)
   monkeypatch.setattr(Trainer, "step", step_fails)
   _parse(work, *bindings)
   with pytest.raises(RuntimeError, match="inside a step"):
-    Job(str(work), resume=True).run()
+    build_local(str(work), resume=True).run()
   assert stepped == [(1, 1), (2, 0)] and keys() == [(0, 0), (0, 1), (1, 0), (1, 1)]
   monkeypatch.setattr(Trainer, "step", real_step)
   _parse(work, *bindings)
-  assert Job(str(work), resume=True).run()["steps"] == 8
+  assert build_local(str(work), resume=True).run()["steps"] == 8
   check_trained(work, 8)
   assert keys() == [(k, j) for k in range(4) for j in range(2)]
 
 
 def test_sampler_and_loss_temperatures_must_agree(tmp_path):
-  from knittrans_jax.job.run import Job
+  from knittrans_jax.job.local import build_local
   _parse(tmp_path / "run", "LossConfig.temperature = 0.7")
   with pytest.raises(ValueError, match=r"LossConfig.temperature = 0.7 differs from "
                                        r"SamplerConfig.temperature = 1.0"):
-    Job(str(tmp_path / "run"))
+    build_local(str(tmp_path / "run"))
   assert not (tmp_path / "run" / "store").exists()  # refused before anything was created
 
 

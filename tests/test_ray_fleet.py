@@ -102,7 +102,7 @@ def test_a_multi_node_cluster_without_a_token_is_refused(monkeypatch):
 
 def test_rollout_actors_killed_or_hung_are_restarted_and_nothing_is_lost(local_ray, tmp_path,
                                                                        capsys):
-  from knittrans_jax.job.run import run
+  from knittrans_jax.launch import run
   work = str(tmp_path / "run")
   # A window of one train batch (G = 8): the groups stuck on the hung worker hold its
   # train batch back, so the run ends only if the hang is caught.

@@ -159,13 +159,13 @@ def test_bench_store_measures_s3_beside_file(tmp_path):
 
 def test_a_new_run_refuses_a_store_url_that_holds_a_previous_run(s3_url, tmp_path):
   """The work dir check does not see a store on s3 (it outlives --overwrite)."""
-  from knittrans_jax.job.run import Job
+  from knittrans_jax.job.local import build_local
   TrajectoryStore.create(s3_url, StoreSchema(sources=("nearest",)))
   work = tmp_path / "run"
   gin_cli.parse(argparse.Namespace(gin_file=["configs/text_grpo_test.gin"], workdir=str(work),
                                    gin_bindings=[f"JobConfig.store_url = '{s3_url}'"]))
   with pytest.raises(ValueError, match="holds a previous run's store: pass --resume"):
-    Job(str(work))
+    build_local(str(work))
 
 
 def test_a_commit_marker_write_with_a_lost_answer_is_resolved_from_the_store(monkeypatch):

@@ -208,4 +208,4 @@ def test_encode_once_quarantines_a_damaged_image_chunk(tmp_path):
   assert sums["tokens"] == work.total_tokens - sum(m.response_len for m in lost)
   assert {m.id for m in lost} <= set(q.bad_rows) and np.isfinite(grad_norm)
   trainer.close()
-  assert not trainer.stream.alive()
+  assert not trainer.stream._thread.is_alive()

@@ -17,22 +17,34 @@ every train batch's quota, is unchanged by construction.
                standard errors) keep their shuffled order among themselves; when
                all look alike it is `shuffled`, exactly.
 
-Interface (pure Python over metadata; the simulator and the job's controller):
+Interface (`DispatchStream`; pure Python over metadata; the simulator and the job's
+controller):
   next() -> source           the next group's source
   observe(source, seconds)   a group of `source` took `seconds` to generate (the
                              controller: the sampler call, else dispatch to done)
+  estimate(source)           the expected seconds of a group of `source`, or None
   state() / restore(state)   JSON-able, saved with the job's progress
 """
 from __future__ import annotations
 
 import collections
 import math
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import gin
 import numpy as np
 
 DISPATCH_POLICIES = ("shuffled", "quota_aware")
+
+
+class DispatchStream(Protocol):
+  name: str
+
+  def next(self) -> str: ...
+  def observe(self, source: str, seconds: float) -> None: ...
+  def estimate(self, source: str) -> float | None: ...
+  def state(self) -> dict: ...
+  def restore(self, state: dict) -> None: ...
 
 
 def quota_block(spec, sources: Sequence[str]) -> list[str]:
@@ -60,7 +72,10 @@ class Shuffled:
     return self._queue.pop()
 
   def observe(self, source: str, seconds: float) -> None:
-    pass
+    pass  # the shuffled order learns nothing
+
+  def estimate(self, source: str) -> float | None:
+    return None
 
   def state(self) -> dict:
     """JSON-able: the rest of the current block and the generator's state."""
@@ -164,7 +179,8 @@ class QuotaAware(Shuffled):
           self.observe(s, v)
 
 
-def make_dispatch(name: str, spec, sources: Sequence[str], rng: np.random.Generator, **kwargs):
+def make_dispatch(name: str, spec, sources: Sequence[str], rng: np.random.Generator,
+                  **kwargs) -> DispatchStream:
   if name == "shuffled":
     return Shuffled(spec, sources, rng)
   if name == "quota_aware":

@@ -35,7 +35,8 @@ class AdmissionPolicy:
     self._pool: dict[str, list[GroupInfo]] = collections.defaultdict(list)
     self._inflight: collections.Counter = collections.Counter()
     self._seen: set[int] = set()
-    self.dropped: list[tuple[GroupInfo, str]] = []  # (group, 'stale' | 'zero_signal')
+    self.dropped: list[tuple[GroupInfo, str]] = []  # every drop: (group, 'stale' | 'zero_signal')
+    self._stale_untaken: list[tuple[GroupInfo, str]] = []  # dropped by admit, not yet taken
     self.train_batch, self.index = 0, 0  # (k, j) of the next mini-batch
     self._needed = self._fresh_needs()
     self._tokens_seen, self._groups_seen = 0, 0
@@ -59,8 +60,9 @@ class AdmissionPolicy:
       raise ValueError(f"failed({source!r}, {count}) but only {self._inflight[source]} in flight")
     self._inflight[source] -= count
 
-  def finished(self, group: GroupInfo) -> None:
-    """A dispatched group finished (all n responses)."""
+  def finished(self, group: GroupInfo) -> list[tuple[GroupInfo, str]]:
+    """A dispatched group finished (all n responses). Returns what it dropped: the
+    group itself with 'zero_signal' (DAPO's filter), else nothing."""
     self._check_source(group.source)
     if group.group_id in self._seen:
       raise ValueError(f"group {group.group_id} finished twice")
@@ -79,10 +81,16 @@ class AdmissionPolicy:
     self._groups_seen += 1
     if self.spec.drop_zero_signal and group.zero_signal:
       self.dropped.append((group, "zero_signal"))
-      return
+      return [(group, "zero_signal")]
     key = (group.version, next(self._seq))
     self._order[group.group_id] = key
     bisect.insort(self._pool[group.source], group, key=lambda grp: self._order[grp.group_id])
+    return []
+
+  def take_dropped(self) -> list[tuple[GroupInfo, str]]:
+    """The groups `admit` dropped as stale since the last call (each returned once)."""
+    out, self._stale_untaken = self._stale_untaken, []
+    return out
 
   def _drop_stale(self, version: int) -> None:
     eta = self.spec.max_staleness
@@ -92,6 +100,7 @@ class AdmissionPolicy:
       k = 0
       while k < len(groups) and version - groups[k].version > eta:
         self.dropped.append((groups[k], "stale"))
+        self._stale_untaken.append((groups[k], "stale"))
         del self._order[groups[k].group_id]
         k += 1
       del groups[:k]

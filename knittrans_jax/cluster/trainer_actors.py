@@ -2,8 +2,8 @@
 jax.distributed when there are several, driven by the controller with direct actor
 calls (metadata only: a mini-batch's plan, when to publish and checkpoint).
 
-Each actor builds the same `Trainer` a local run builds (job/run.Job, role
-'trainer'), from the driver's gin config. Calls to one actor run in the order they
+Each actor builds the same `Trainer` a local run builds (job/build_trainer.make_trainer),
+from the driver's gin config. Calls to one actor run in the order they
 were made, so `step` can return at once (the devices compute on) and a later
 `fetch` brings the step's metrics back: the driver admits and reads the next
 mini-batch meanwhile, as in one process.
@@ -22,11 +22,8 @@ import socket
 from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
-from knittrans_jax.rollout.weights import WeightPublisher
-
-
-class TrainerLost(RuntimeError):
-  """A trainer actor died or hung: the group must be rebuilt."""
+from knittrans_jax.job.roles import TrainerLost
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber
 
 
 def _free_port(host: str) -> int:
@@ -40,7 +37,7 @@ class TrainerActor:
 
   def __init__(self, rank: int, world: int, workdir: str):
     self.rank, self.world, self.workdir = rank, world, workdir
-    self.job, self.results = None, []
+    self.trainer, self.results = None, []
     record_start(workdir, f"trainer{rank}")
 
   def address(self) -> tuple[str, int]:
@@ -59,18 +56,23 @@ class TrainerActor:
           coordinator, self.world, self.rank,
           host_address=None if auto else ray.util.get_node_ip_address()), auto=auto)
     from knittrans_jax import gin_cli
-    from knittrans_jax.job.run import Job  # registers every configurable the config names
+    from knittrans_jax.job import local  # noqa: F401  (registers what a job's config names)
+    from knittrans_jax.job.build_trainer import Placement, make_trainer
+    from knittrans_jax.job.config import JobConfig
+    from knittrans_jax.job.setup import job_setup
+    from knittrans_jax.storage import TrajectoryStore
     gin.clear_config()
     gin.parse_config(gin_config)
     # The node's address: what the rollout actors register their units under.
-    self.job = Job(self.workdir, resume, store_url=store_url, consumers=consumers, role="trainer",
-                   host=ray.util.get_node_ip_address())
-    self.trainer = t = self.job.trainer
+    host = ray.util.get_node_ip_address()
+    built = make_trainer(job_setup(JobConfig()), self.workdir, TrajectoryStore.open(store_url),
+                         Placement(self.rank, self.world, consumers, host), resume)
+    self.trainer = t = built.trainer
     if self.rank == 0:  # what the trainers used (the driver's operative config lacks it)
       gin_cli.save_operative_config(self.workdir, "operative_config_trainer.gin")
-    return dict(version=t.version, progress=self.job.restored_progress,
-                rows_multiple=self.job.rows_multiple, encode_once=t.encode_once is not None,
-                devices=[str(d) for d in self.job.mesh.devices.flat], host=self.job.host,
+    return dict(version=t.version, progress=built.progress, rows_multiple=built.rows_multiple,
+                encode_once=t.encode_once is not None,
+                devices=[str(d) for d in built.mesh.devices.flat], host=host,
                 consumers=list(t.mine))
 
   def prefetch(self, work) -> None:
@@ -115,11 +117,14 @@ class _StepResult:
 
 
 class RayTrainerGroup:
-  """The controller's handle on the trainer actors (job/trainer_group.TrainerGroup's
-  interface)."""
+  """The driver's handle on the trainer actors (job/roles.TrainerHandle).
+
+  `eval_template`: the policy's parameter shapes (an nnx.State of ShapeDtypeStructs);
+  held-out evaluation in the driver reads the published version into it."""
 
   def __init__(self, cfg: RayConfig, workdir: str, resume: bool, store_url: str,
-               consumers: int, gin_config: str, log: Callable[[str], None] = print):
+               consumers: int, gin_config: str, eval_template=None,
+               log: Callable[[str], None] = print):
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -127,7 +132,10 @@ class RayTrainerGroup:
     self.stats = dict(exposed_wait_s=0.0, raw_transfer_s=0.0)
     self.due = False  # a checkpoint is due at the last fetched step's version
     self.written = None  # the version whose shards every actor has written
+    self.committed = None  # the version last made the latest
     self.publisher = WeightPublisher(workdir)  # the driver commits what the actors wrote
+    self.weights = WeightSubscriber(workdir, eval_template) if eval_template is not None else None
+    self.eval_cache = None  # (version, params) last read for evaluation
     self.pending = []  # refs not yet checked (prefetch, step): their errors surface later
     T = cfg.trainers
     bundle = dict(cfg.trainer_resources)
@@ -203,7 +211,23 @@ class RayTrainerGroup:
     if self.written != self.version:
       self._get([a.write_weights.remote() for a in self.actors], "publishing weights")
       self.written = self.version
-    self.publisher.commit(self.version, parts=len(self.actors))
+    if self.committed != self.version:
+      self.publisher.commit(self.version, parts=len(self.actors))
+      self.committed = self.version
+
+  def eval_params(self):
+    """The current version's parameters on this host, read from what the actors
+    publish (the driver holds no model state): published first if it is not yet."""
+    if self.weights is None:
+      raise ValueError("RayTrainerGroup: no eval_template given, so no parameters to evaluate")
+    self.publish()
+    if self.eval_cache is None or self.eval_cache[0] != self.version:
+      update = self.weights.poll()
+      if update is None or update[0] != self.version:
+        raise RuntimeError(f"weights v{self.version} were published but the driver read "
+                           f"{None if update is None else update[0]}")
+      self.eval_cache = update
+    return self.eval_cache[1]
 
   def save_due(self) -> bool:
     return self.due

@@ -8,8 +8,6 @@ import gin
 
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
-from knittrans_jax.models.checkpoint_io import read_config
-from knittrans_jax.models.qwen_vl import MODEL_TYPES as VL_MODEL_TYPES
 from knittrans_jax.rollout.engine import ENGINES
 
 MODES = ("disaggregated", "colocated", "synchronous")
@@ -110,15 +108,10 @@ class JobConfig:
         os.path.join(self.checkpoint, "config.json")):
       raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} is not a Hugging Face "
                        "checkpoint directory (no config.json)")
-    if self.checkpoint is not None and self.suite == "vision" and (
-        model_type := read_config(self.checkpoint).get("model_type")) not in VL_MODEL_TYPES:
-      raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} has model_type "
-                       f"{model_type!r}: the 'vision' suite takes a Qwen-VL checkpoint "
-                       f"{VL_MODEL_TYPES} (or none: the tiny VLM); decoders run 'text' and "
-                       "'math'")
-    if self.consumers is not None and (self.consumers <= 0 or self.micro_batch_size % self.consumers):
-      raise ValueError(f"JobConfig.consumers = {self.consumers} must be positive and divide "
-                       f"micro_batch_size = {self.micro_batch_size}")
+    if self.checkpoint is not None and self.suite == "vision":
+      self._check_vision_checkpoint()
+    if self.consumers is not None:
+      self.consumers_for(1)  # its rules, checked early
     if self.engine not in ENGINES:
       raise ValueError(f"JobConfig.engine = {self.engine!r}: use one of {ENGINES}")
     if self.engine == "vllm" and self.mode == "colocated":
@@ -143,6 +136,31 @@ class JobConfig:
                          f"hold {why} = {need} groups: nothing could ever be admitted")
     if self.mode != "colocated" and self.workers < 1:
       raise ValueError(f"JobConfig.workers = {self.workers}: at least one rollout worker")
+
+  def _check_vision_checkpoint(self) -> None:
+    # Imported here: the config module stays free of the model code (a JobConfig is
+    # built in processes that never load a model).
+    from knittrans_jax.models.checkpoint_io import read_config
+    from knittrans_jax.models.qwen_vl import MODEL_TYPES
+    model_type = read_config(self.checkpoint).get("model_type")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"JobConfig.checkpoint = {self.checkpoint!r} has model_type "
+                       f"{model_type!r}: the 'vision' suite takes a Qwen-VL checkpoint "
+                       f"{MODEL_TYPES} (or none: the tiny VLM); decoders run 'text' and 'math'")
+
+  def consumers_for(self, processes: int) -> int:
+    """The data-parallel consumers a mini-batch is planned over when `processes`
+    trainer processes train it (default one each). The one place their rules live."""
+    C = self.consumers or processes
+    if processes > 1 and (self.mode != "disaggregated" or self.data_path != "ondemand"):
+      raise ValueError(f"{processes} trainer processes need JobConfig.mode = 'disaggregated' "
+                       f"and data_path = 'ondemand' (got {self.mode!r}, {self.data_path!r}); "
+                       "the colocated reference and the centralized baseline run in one process")
+    if C <= 0 or C % processes or self.micro_batch_size % C:
+      raise ValueError(f"JobConfig.consumers = {C} must be a positive multiple of the "
+                       f"{processes} trainer process(es) and divide micro_batch_size = "
+                       f"{self.micro_batch_size}")
+    return C
 
   @property
   def groups_in_flight(self) -> int:

@@ -1,6 +1,6 @@
 """The controller role: dispatch, admission and progress, over metadata only.
 
-    controller = Controller(spec, policy, stream, pool, ControllerState(), window=W)
+    controller = Controller(spec, policy, dispatch, pool, ControllerState(), window=W)
     controller.resume(store)                    # a restored run: feed what was not trained
     while ...:
       controller.dispatch()                     # fill the window (replacements first)
@@ -14,26 +14,28 @@ Every group goes through `ControllerState` (progress.py): dispatched into the
 window, then retired exactly once as trained, dropped (zero signal or stale) or
 failed; a dropped or failed group is replaced by one of its source, first in
 line. The window is derived from those ids, so resume, drops, stale groups and
-colocated mode all keep it right by construction.
+the synchronous schedule all keep it right by construction.
 
-The rollout side is a `pool` (job/workers.py): local worker processes and remote
-workers, or the colocated generator. It takes (group id, source) requests and its
-`poll` returns `Finished(metas)` and `Failed(group_id)` events. Colocated mode
-dispatches a whole train batch only once the previous one is trained (plus
-replacements at any time), so every group of train batch k is generated with the
-weights of version k*M, as synchronous execution does.
+The rollout side is a `RolloutPool` (job/roles.py): local worker processes, Ray
+actors, or the colocated generator. It takes (group id, source) requests and its
+`poll` returns `Finished(metas)` and `Failed(group_id)` events. With
+`synchronous=True` (modes 'colocated' and 'synchronous') a whole train batch is
+dispatched only once the previous one is trained (plus replacements at any time),
+so every group of train batch k is generated with the weights of version k*M, as
+synchronous execution does.
 
 Pure Python; no JAX.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import time
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from knittrans_jax.admission import AdmissionPolicy, TrainBatchSpec
+from knittrans_jax.admission.dispatch import DispatchStream
 from knittrans_jax.job.progress import ControllerState
+from knittrans_jax.job.roles import Failed, Finished, RolloutPool
 from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
 
 
@@ -41,41 +43,23 @@ class JobStalled(RuntimeError):
   """Nothing was admitted and no usable group finished for too long."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Finished:
-  metas: tuple[TrajMeta, ...]  # one committed group, every trajectory
-  seconds: float | None = None  # its generation time, if the pool measured it
-
-
-@dataclasses.dataclass(frozen=True)
-class Failed:
-  group_id: int
-  why: str
-
-
-class RolloutPool(Protocol):
-  def can_take(self) -> bool: ...
-  def submit(self, group_id: int, source: str) -> None: ...
-  def poll(self, timeout: float) -> list: ...  # Finished | Failed events
-  def describe(self) -> str: ...
-
-
 class Controller:
 
-  def __init__(self, spec: TrainBatchSpec, policy: AdmissionPolicy, stream, pool: RolloutPool,
-               state: ControllerState, *, window: int, colocated: bool = False,
-               stall_timeout_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
-    self.spec, self.policy, self.stream, self.pool, self.state = spec, policy, stream, pool, state
-    self.window, self.colocated = window, colocated
+  def __init__(self, spec: TrainBatchSpec, policy: AdmissionPolicy, dispatch: DispatchStream,
+               pool: RolloutPool, state: ControllerState, *, window: int,
+               synchronous: bool = False, stall_timeout_s: float = 600.0,
+               clock: Callable[[], float] = time.monotonic):
+    self.spec, self.policy, self.pool, self.state = spec, policy, pool, state
+    self.stream = dispatch  # the order prompt sources start in (admission/dispatch.py)
+    self.window, self.synchronous = window, synchronous
     self.stall_timeout_s, self.clock = stall_timeout_s, clock
     # Sources owed a replacement (dropped or failed groups); saved with the state.
     self.replace: collections.deque[str] = collections.deque(state.replace)
-    self._dropped_seen = len(policy.dropped)
     self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
     self._last_progress = clock()
     self._sent_at: dict[int, float] = {}  # group id -> when it was dispatched (this process)
     if state.stream is not None:
-      stream.restore(state.stream)
+      dispatch.restore(state.stream)
     if state.position is not None:
       policy.restore_position(state.position)
 
@@ -84,7 +68,7 @@ class Controller:
     """Feeds the window's committed groups (and, disaggregated, any committed after
     the checkpoint) back to admission; window groups that never committed count as
     failed and are replaced. Lists each unit from its watermark. Returns the groups
-    fed. Colocated, groups committed after the checkpoint are skipped (their ids
+    fed. Synchronous, groups committed after the checkpoint are skipped (their ids
     too): train batch k+1 is generated again from the restored weights, so it is
     the batch an uninterrupted run would have, and no surplus group keeps the window
     from emptying."""
@@ -101,7 +85,7 @@ class Controller:
       if len(metas) != n:
         continue  # a group commits all n rows at once; a partial one is not a group
       if gid >= st.next_group:
-        if self.colocated:
+        if self.synchronous:
           st.skip_to(gid + 1)
           continue
         st.adopt(gid, metas[0].source)  # dispatched after the checkpoint
@@ -118,7 +102,7 @@ class Controller:
   def dispatch(self) -> int:
     """Sends groups to rollout while the window has room; returns how many."""
     sent = 0
-    if self.colocated:
+    if self.synchronous:
       if not self.state.window and not self.replace:  # the last train batch is trained
         for _ in range(self.spec.groups_per_batch):
           self._send(self.stream.next())
@@ -167,25 +151,23 @@ class Controller:
     # compiled); dispatch-to-done otherwise. The first excludes the wait in a
     # worker's queue, which the dispatch order itself sets (a source started first
     # waits less and would look faster than it is).
-    if seconds is None and sent is not None and not getattr(self.pool, "timed_generation", False):
+    if seconds is None and sent is not None and not self.pool.timed_generation:
       seconds = self.clock() - sent
-    if seconds is not None and hasattr(self.stream, "observe"):
+    if seconds is not None:
       self.stream.observe(metas[0].source, seconds)
-    before = len(self.policy.dropped)
-    self.policy.finished(GroupInfo.from_metas(metas))
-    if len(self.policy.dropped) == before:
+    dropped = self.policy.finished(GroupInfo.from_metas(metas))
+    if not dropped:
       self._last_progress = self.clock()
-    self._retire_dropped()
+    self._retire(dropped)
 
-  def _retire_dropped(self) -> None:
-    for grp, why in self.policy.dropped[self._dropped_seen:]:
+  def _retire(self, dropped) -> None:
+    for grp, why in dropped:
       self.replace.append(self.state.retire(grp.group_id, why))
-    self._dropped_seen = len(self.policy.dropped)
 
   # ---- admission and training -----------------------------------------------------
   def admit(self, version: int) -> MiniBatch | None:
     mb = self.policy.admit(version)
-    self._retire_dropped()  # stale groups are dropped inside admit
+    self._retire(self.policy.take_dropped())  # stale groups are dropped inside admit
     if mb is not None:
       self._positions[(mb.train_batch, mb.index)] = self.policy.position()
       self._last_progress = self.clock()

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 from knittrans_jax.dataplane.reader import DataReadError
 
-Job = tuple[str, Callable[[], Any]]  # (what it reads, for errors; the work)
+ReadTask = tuple[str, Callable[[], Any]]  # (what it reads, for errors; the work)
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class Prefetcher:
       raise ValueError(f"prefetch depth {depth} must be >= 1")
     self.stats = StreamStats()
     self._queue: queue.Queue = queue.Queue(maxsize=depth)
-    self._jobs: collections.deque[Job] = collections.deque()
+    self._jobs: collections.deque[ReadTask] = collections.deque()
     self._cv = threading.Condition()
     self._stop = threading.Event()
     self._fed = 0
@@ -59,7 +59,7 @@ class Prefetcher:
     self._thread = threading.Thread(target=self._run, name="prefetch", daemon=True)
     self._thread.start()
 
-  def feed(self, jobs: Sequence[Job]) -> None:
+  def feed(self, jobs: Sequence[ReadTask]) -> None:
     with self._cv:
       self._jobs.extend(jobs)
       self._fed += len(jobs)
@@ -87,9 +87,6 @@ class Prefetcher:
     self.stats.taken += 1
     return item
 
-  def alive(self) -> bool:
-    return self._thread.is_alive()
-
   def close(self) -> None:
     """Stops the thread (pending jobs are dropped); safe to call twice."""
     self._stop.set()
@@ -102,7 +99,7 @@ class Prefetcher:
         break
     self._thread.join(timeout=30)
 
-  def _next_job(self) -> Job | None:
+  def _next_job(self) -> ReadTask | None:
     with self._cv:
       while not self._jobs and not self._stop.is_set():
         self._cv.wait()
@@ -131,9 +128,9 @@ class Inline:
 
   def __init__(self):
     self.stats = StreamStats()
-    self._jobs: collections.deque[Job] = collections.deque()
+    self._jobs: collections.deque[ReadTask] = collections.deque()
 
-  def feed(self, jobs: Sequence[Job]) -> None:
+  def feed(self, jobs: Sequence[ReadTask]) -> None:
     self._jobs.extend(jobs)
 
   def ready(self) -> bool:
@@ -152,9 +149,6 @@ class Inline:
       raise item
     self.stats.taken += 1
     return item
-
-  def alive(self) -> bool:
-    return False
 
   def close(self) -> None:
     self._jobs.clear()

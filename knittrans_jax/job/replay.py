@@ -8,13 +8,20 @@ match the run's up to floating-point reduction order.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
+import socket
 
 import jax
 
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.metrics import read_metrics
-from knittrans_jax.job.run import Job
+from knittrans_jax.job.build_trainer import Placement, make_trainer
+from knittrans_jax.job.local_trainer import LocalTrainer
+from knittrans_jax.job.metrics import MetricsLog
+from knittrans_jax.job.setup import check_new_run, job_setup, make_planner
+from knittrans_jax.job.trainer import Trainer
+from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.train import Checkpointer, abstract_state
 from knittrans_jax.types import GroupInfo, MiniBatch
 
@@ -49,22 +56,43 @@ def run_state(run_dir: str, like):
   return state
 
 
-def replay(run_dir: str, workdir: str, consumers: int) -> Job:
-  """Builds a Job in `workdir` (the gin config already parsed, as for the run) that
-  reads `run_dir`'s store, trains its logged mini-batches planned over `consumers`,
-  and returns it (job.trainer.state, job.log.records)."""
-  run_dir = os.path.abspath(run_dir)
+@dataclasses.dataclass
+class Replay:
+  """A replay's result: the trainer (its `state`) and the log (its `records`)."""
+  trainer: Trainer
+  log: MetricsLog
+  workdir: str
+
+  @property
+  def quarantine(self):
+    return self.trainer.quarantine  # the units and rows the replay could not read
+
+
+def replay(run_dir: str, workdir: str, consumers: int) -> Replay:
+  """Trains `run_dir`'s logged mini-batches in `workdir` (the gin config already
+  parsed, as for the run), reading `run_dir`'s store, planned over `consumers`."""
+  run_dir, workdir = os.path.abspath(run_dir), os.path.abspath(workdir)
+  os.makedirs(workdir, exist_ok=True)
+  cfg = JobConfig()
+  dataclasses.replace(cfg, consumers=consumers).consumers_for(1)
+  setup = job_setup(cfg)
   # The run's store: its JobConfig.store_url (s3://...), else the one in its work dir.
-  store_url = JobConfig().store_url or "file://" + os.path.join(run_dir, "store")
-  job = Job(workdir, store_url=store_url, consumers=consumers)
+  store = TrajectoryStore.open(cfg.store_url or "file://" + os.path.join(run_dir, "store"))
+  check_new_run(workdir, dataclasses.replace(cfg, store_url=None), resume=False)
+  host = socket.gethostname()
+  built = make_trainer(setup, workdir, store, Placement(0, 1, consumers, host), resume=False)
+  trainers = LocalTrainer(built, workdir, host)
+  planner = make_planner(setup, consumers, trainers, store.unit_host)
+  trainer = built.trainer
+  log = MetricsLog(workdir, cfg.spec)
   try:
-    for mb in logged_mini_batches(run_dir, job.store):
-      work = job.planner(mb)
-      v_consume = job.trainer.version
-      sums, grad_norm = job.trainer.step(work).fetch()
-      job.log.step(mb, [m for grp in mb.groups for m in grp.metas], v_consume, sums, grad_norm,
-                   admitted_tokens=work.total_tokens, local_fraction=work.local_fraction)
+    for mb in logged_mini_batches(run_dir, store):
+      work = planner(mb)
+      v_consume = trainer.version
+      sums, grad_norm = trainer.step(work).fetch()
+      log.step(mb, [m for grp in mb.groups for m in grp.metas], v_consume, sums, grad_norm,
+               admitted_tokens=work.total_tokens, local_fraction=work.local_fraction)
   finally:
-    job.trainer.finish(job.workdir)
-    job.log.close()
-  return job
+    trainer.finish(workdir)
+    log.close()
+  return Replay(trainer, log, workdir)

@@ -8,7 +8,7 @@
 `work` (job/work.py) is a mini-batch's plan over every consumer; this trainer reads
 and trains the rows of its consumers `mine` only: its local micro-batch k is their
 k-th micro-batches side by side. Every caller uses this entry point: the job under
-one or many processes (job/run.py, job/trainer_group.py), job/replay.py and both
+one or many processes (job/local.py, cluster/trainer_actors.py), job/replay.py and both
 benchmarks (scripts/bench_transfer.py, scripts/bench_multimodal.py), so the figures
 time the code the job runs.
 

@@ -57,12 +57,7 @@ class StepPlanner:
   image_slots: tuple[int, int] | None = None
   consumer_host: tuple[str, ...] | None = None
   unit_host: Callable[[str], str] | None = dataclasses.field(default=None, compare=False)
-  locality_tolerance: float = 0.05
-
-  def __post_init__(self):
-    if self.consumers <= 0 or self.micro_batch_size % self.consumers:
-      raise ValueError(f"StepPlanner: {self.consumers} consumers must divide micro_batch_size "
-                       f"= {self.micro_batch_size}")
+  locality_tolerance: float = 0.05  # consumers divide micro_batch_size: JobConfig.consumers_for
 
   def __call__(self, mb: MiniBatch) -> StepWork:
     plan = plan_micro_batches(mb, self.consumers, self.micro_batch_size // self.consumers,

@@ -1,11 +1,11 @@
-"""The rollout side as the controller sees it: a pool that takes (group id, source)
-requests and returns Finished / Failed events (job/controller.py).
+"""The rollout side of a local run: pools (job/roles.RolloutPool) that take (group
+id, source) requests and return Finished / Failed events.
 
 WorkerPool      `workers` rollout processes on this host (spawned, one CPU device
                 each). A dead one is restarted: the groups it held that are fully
                 committed in its unit count as finished, the rest are reported
                 failed (the controller replaces them). On Ray the workers are actors
-                (cluster/rollout_actors.RayWorkerPool, the same interface).
+                (cluster/rollout_actors.RayWorkerPool, the same protocol).
 ColocatedPool   no workers: `poll` generates the requested groups in this process
                 with the trainer's current weights, then reports them (the colocated
                 reference, synchronous execution).
@@ -18,7 +18,7 @@ import queue
 import time
 from typing import Callable
 
-from knittrans_jax.job.controller import Failed, Finished
+from knittrans_jax.job.roles import Failed, Finished
 from knittrans_jax.rollout.worker import worker_main
 from knittrans_jax.storage import TrajectoryStore
 
@@ -57,14 +57,9 @@ class WorkerPool:
       self._start(w)
 
   def _start(self, w: int) -> None:
-    a = self.args
     self.requests[w] = self._ctx.Queue()
     p = self._ctx.Process(target=worker_main, daemon=True, args=(
-        w, self.workdir, self.store_url, a["seed"], a["n"], a["model_config"],
-        a["sampler_config"], self.requests[w], self.reports, self.stop),
-        kwargs=dict(suite=a["suite"], vision=a["vision"], math=a.get("math"),
-                    max_groups_per_call=a.get("groups_per_call", 4),
-                    engine=a.get("engine", "jax"), engine_options=a.get("engine_options")))
+        w, self.workdir, self.store_url, self.args, self.requests[w], self.reports, self.stop))
     p.start()
     self.procs[w] = p
 
@@ -107,7 +102,7 @@ class WorkerPool:
     return []
 
   def _release(self, w: int) -> list:
-    return release(self.store, self.held, w, self.args["n"], f"worker {w} was lost")
+    return release(self.store, self.held, w, self.args.n, f"worker {w} was lost")
 
   def describe(self) -> str:
     load = collections.Counter(w for w, _ in self.held.values())
@@ -132,6 +127,9 @@ class ColocatedPool:
   `generate(requests)` returns rollout/groups.RolledGroup lists for (group id,
   source) requests, with the current weights; each group is committed to `writer`
   before it is reported."""
+
+  timed_generation = False  # the controller times dispatch-to-done
+  restarts = 0  # no workers
 
   def __init__(self, generate: Callable, writer, chunk: int = 16):
     self.generate, self.writer, self.chunk = generate, writer, chunk

@@ -120,7 +120,6 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   target_steps = config.train_batches * M
   steps = 0
   trainer_busy, trainer_busy_s, slot_busy_s = False, 0.0, 0.0
-  dropped_seen = 0
   dropped = collections.Counter()
   req_end, req_gen, req_start = {}, {}, {}  # in-flight requests by (gid, r)
   train_start = 0.0
@@ -181,11 +180,9 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     max_in_window = max(max_in_window, in_window)
     start_requests()
 
-  def account_drops():
-    nonlocal dropped_seen, in_window, dispatched_net, sojourn_sum, groups_done
-    while dropped_seen < len(pol.dropped):
-      grp, why = pol.dropped[dropped_seen]
-      dropped_seen += 1
+  def account_drops(drops):
+    nonlocal in_window, dispatched_net, sojourn_sum, groups_done
+    for grp, why in drops:
       dropped[why] += 1
       replace.append(grp.source)
       in_window -= 1
@@ -198,7 +195,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     if trainer_busy or steps >= target_steps:
       return
     mb = pol.admit(version)
-    account_drops()
+    account_drops(pol.take_dropped())
     if mb is None:
       return
     trainer_busy, current_mb, train_start = True, mb, now
@@ -238,7 +235,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
         rollout_s.append(now - g_dispatch[gid])
         g_vdone[gid] = version
         stream.observe(src, now - g_dispatch[gid])
-        pol.finished(GroupInfo(gid, src, g_tokens[gid], v_first))
+        account_drops(pol.finished(GroupInfo(gid, src, g_tokens[gid], v_first)))
         try_train()
         dispatch()  # refills the window if admission dropped stale groups
     elif kind == _TRAIN:

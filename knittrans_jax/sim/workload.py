@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from knittrans_jax.admission.dispatch import Shuffled
 from knittrans_jax.sim.config import SimConfig, SourceModel
 
 
@@ -30,6 +29,3 @@ class LengthSampler:
     del buf[-n:]
     return out
 
-
-# The data loader is the `shuffled` dispatch policy (admission/dispatch.py).
-PromptStream = Shuffled

@@ -1,19 +1,21 @@
-"""The controller's handle on the trainer: the in-process one of a local run.
-
-A Ray run's handle (cluster/trainer_actors.RayTrainerGroup) has the same methods
-and makes each call on every trainer actor; job/run.py drives either.
+"""The trainers' handle (job/roles.TrainerHandle) of a local run: the Trainer in this
+process. A Ray run's handle (cluster/trainer_actors.RayTrainerGroup) makes each call
+on every trainer actor; the driver's loop (job/driver.py) runs over either.
 """
 from __future__ import annotations
 
-from knittrans_jax.job.trainer import StepResult, Trainer
+from knittrans_jax.job.build_trainer import BuiltTrainer
+from knittrans_jax.job.trainer import StepResult
 from knittrans_jax.job.work import StepWork
 
 
 class LocalTrainer:
 
-  def __init__(self, trainer: Trainer, workdir: str, host: str):
-    self.trainer, self.workdir = trainer, workdir
-    self.consumer_host = (host,) * len(trainer.mine)  # every consumer is in this process
+  def __init__(self, built: BuiltTrainer, workdir: str, host: str):
+    self.trainer, self.workdir = built.trainer, workdir
+    self.progress, self.rows_multiple = built.progress, built.rows_multiple
+    self.encode_once = self.trainer.encode_once is not None
+    self.consumer_host = (host,) * len(self.trainer.mine)  # every consumer is in this process
 
   @property
   def version(self) -> int:
@@ -28,6 +30,9 @@ class LocalTrainer:
   def publish(self) -> None:
     self.trainer.write_weights()
     self.trainer.commit_weights()
+
+  def eval_params(self):
+    return self.trainer.state.params  # on the devices: the evaluator's sampler takes them
 
   def save_due(self) -> bool:
     return self.trainer.save_due()

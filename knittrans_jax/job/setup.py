@@ -1,0 +1,219 @@
+"""A run's set-up as pure functions of its config: what every role derives the same way.
+
+    setup = job_setup(JobConfig())            # model, sampler, loss, tasks, checked together
+    check_new_run(workdir, cfg, resume)       # refuses to write over a previous run
+    store = create_store(setup, store_url(workdir, cfg))
+    planner = make_planner(setup, trainers, unit_host)
+
+The driver (job/driver.py), the local deployment (job/local.py), Ray's trainer actors
+and driver (cluster/) and job/replay.py all build from these, so a rule checked here
+holds on every deployment.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Callable
+
+import numpy as np
+
+from knittrans_jax.admission import make_policy
+from knittrans_jax.admission.dispatch import DispatchStream, make_dispatch
+from knittrans_jax.job.config import JobConfig
+from knittrans_jax.job.evaluation import EvalConfig, Evaluator
+from knittrans_jax.job.work import StepPlanner, encode_once_slots
+from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
+from knittrans_jax.models.vision_spec import VisionSpec
+from knittrans_jax.rl import LossConfig
+from knittrans_jax.rollout import tasks
+from knittrans_jax.rollout.groups import MathSource, suite_prompt_len, suite_sources
+from knittrans_jax.rollout.math_tasks import MathTaskConfig
+from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
+from knittrans_jax.rollout.sampler import SamplerConfig
+from knittrans_jax.rollout.worker import WorkerArgs
+from knittrans_jax.storage import StoreSchema, TrajectoryStore
+from knittrans_jax.train import CheckpointConfig, Checkpointer
+
+
+def model_config(cfg: JobConfig) -> DecoderConfig:
+  """The policy's config: gin's DecoderConfig, or with JobConfig.checkpoint its
+  config.json's architecture under gin's dtype, param_dtype, remat and attention."""
+  d = DecoderConfig()
+  if not cfg.checkpoint:
+    return d
+  kw = dict(dtype=d.dtype, param_dtype=d.param_dtype, remat=d.remat, attention=d.attention)
+  if cfg.suite == "vision":  # a Qwen-VL checkpoint (JobConfig checked): its language model
+    return qwen_vl.config_from_hf(hf.read_config(cfg.checkpoint), **kw).text
+  return hf.config_from_hf(hf.read_config(cfg.checkpoint), **kw)
+
+
+def vision_spec(cfg: JobConfig) -> VisionSpec | None:
+  """The policy's vision path (models/vision_spec.py): None for text, JobConfig.checkpoint's
+  Qwen-VL model under gin's dtype, param_dtype, remat and attention, or the tiny VLM."""
+  if cfg.suite != "vision":
+    return None
+  if not cfg.checkpoint:
+    return VisionSpec.tiny(ViTConfig())
+  d = DecoderConfig()
+  return VisionSpec.from_qwen_checkpoint(
+      cfg.checkpoint, QwenVisionTaskConfig().image_size, dtype=d.dtype, param_dtype=d.param_dtype,
+      remat=d.remat, attention=d.attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSetup:
+  """What a run's config derives, once: the policy's model, sampler and loss, its
+  tasks (sources, prompt length) and, for vLLM, the engine options."""
+  cfg: JobConfig
+  model: DecoderConfig
+  sampler: SamplerConfig
+  loss: LossConfig
+  vision: VisionSpec | None  # the vision path: model, batch layout, workers, sampler
+  qwen: QwenVisionTasks | None  # a Qwen-VL checkpoint's tasks
+  math: MathSource | None
+  sources: tuple[str, ...]  # the suite's
+  trained_sources: tuple[str, ...]  # the quota's, or the whole suite without one
+  prompt_len: int
+  engine_options: object | None = None  # rollout/vllm_engine.VllmOptions for 'vllm'
+
+  @property
+  def synchronous(self) -> bool:
+    """Each train batch dispatched only once the previous one is trained (modes
+    'colocated' and 'synchronous': the colocated schedule)."""
+    return self.cfg.mode != "disaggregated"
+
+
+def job_setup(cfg: JobConfig) -> JobSetup:
+  """Derives and checks the run's parts from `cfg` (and the gin config of each part)."""
+  sampler = SamplerConfig()
+  math = None
+  if cfg.suite == "math":
+    mcfg = MathTaskConfig()
+    tok_dir = mcfg.tokenizer or cfg.checkpoint
+    if tok_dir is None:
+      raise ValueError("JobConfig.suite = 'math' needs a tokenizer: set JobConfig.checkpoint "
+                       "or MathTaskConfig.tokenizer")
+    math = MathSource(mcfg, tok_dir, cfg.seed)
+    # The checkpoint's EOS and stop tokens end each response.
+    sampler = dataclasses.replace(sampler, stop_tokens=math.suite().tokenizer.stop_ids)
+  vision = vision_spec(cfg)
+  qwen = QwenVisionTasks.of(vision)
+  sources = suite_sources(cfg.suite, math)
+  quota = cfg.spec.source_quota
+  setup = JobSetup(
+      cfg=cfg, model=model_config(cfg), sampler=sampler, loss=LossConfig(), vision=vision,
+      qwen=qwen, math=math, sources=sources,
+      trained_sources=tuple(quota) if quota else sources,
+      prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math))
+  _check_model_and_tasks(setup)
+  if cfg.engine == "vllm":
+    from knittrans_jax.rollout import vllm_engine  # vLLM only when asked for
+    vllm_engine.check_available()  # before any process starts: what to install
+    vllm_engine.check_model(setup.model)
+    opts = vllm_engine.VllmOptions()
+    setup = dataclasses.replace(setup, engine_options=dataclasses.replace(
+        opts, max_model_len=opts.max_model_len or setup.prompt_len + sampler.max_new_tokens))
+  return setup
+
+
+def _check_model_and_tasks(s: JobSetup) -> None:
+  cfg = s.cfg
+  vocab = s.math.suite().tokenizer.vocab_size if s.math else tasks.VOCAB_SIZE
+  if s.model.vocab_size < vocab:
+    raise ValueError(f"DecoderConfig.vocab_size = {s.model.vocab_size} < the tasks' "
+                     f"vocabulary {vocab}")
+  if s.math:
+    s.math.suite().check_lengths()  # an over-long prompt is an error now, not mid-run
+  if cfg.seq_len < s.prompt_len + s.sampler.max_new_tokens:
+    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {s.prompt_len} + "
+                     f"max_new_tokens {s.sampler.max_new_tokens}")
+  unknown = set(cfg.spec.source_quota or {}) - set(s.sources)
+  if unknown:
+    raise ValueError(f"TrainBatchSpec.source_quota names unknown sources {sorted(unknown)}; "
+                     f"the {cfg.suite} tasks are {s.sources}")
+  # The loss recomputes log-probs of logits / LossConfig.temperature; the behaviour
+  # log-probs came from the sampler's: different temperatures bias every ratio.
+  if s.loss.temperature != s.sampler.temperature:
+    raise ValueError(f"LossConfig.temperature = {s.loss.temperature} differs from "
+                     f"SamplerConfig.temperature = {s.sampler.temperature}: the "
+                     "importance ratio would compare log-probs at two temperatures; set both "
+                     "to the same value")
+
+
+def checkpoint_dir(workdir: str) -> str:
+  return os.path.join(workdir, "checkpoints")
+
+
+def store_url(workdir: str, cfg: JobConfig) -> str:
+  return cfg.store_url or "file://" + os.path.join(workdir, "store")
+
+
+def check_new_run(workdir: str, cfg: JobConfig, resume: bool) -> None:
+  """A fresh run (no --resume) must not write into a previous run's work dir or store."""
+  if resume:
+    return
+  ckpt = Checkpointer(checkpoint_dir(workdir), CheckpointConfig())
+  try:
+    previous = ckpt.latest_step() is not None
+  finally:
+    ckpt.close()
+  if previous or os.path.exists(os.path.join(workdir, "store")):
+    raise ValueError(f"{workdir} holds a previous run: pass --resume to continue it, "
+                     "--overwrite to start over, or another --workdir")
+  # A store elsewhere (s3://, gs://) outlives the work dir and --overwrite.
+  if cfg.store_url and TrajectoryStore.exists(cfg.store_url):
+    raise ValueError(f"JobConfig.store_url = {cfg.store_url!r} holds a previous run's store: "
+                     "pass --resume to continue that run, or point JobConfig.store_url at a "
+                     "new location")
+
+
+def create_store(setup: JobSetup, url: str) -> TrajectoryStore:
+  """The run's store (the controller's process creates it; trainers open it)."""
+  return TrajectoryStore.create(url, StoreSchema(
+      sources=setup.sources, max_prompt_len=setup.prompt_len,
+      max_response_len=setup.sampler.max_new_tokens))
+
+
+def worker_args(setup: JobSetup) -> WorkerArgs:
+  cfg = setup.cfg
+  return WorkerArgs(seed=cfg.seed, n=cfg.spec.group_size, model_config=setup.model,
+                    sampler_config=setup.sampler, suite=cfg.suite, vision=setup.vision,
+                    math=setup.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
+                    engine_options=setup.engine_options)
+
+
+def make_planner(setup: JobSetup, consumers: int, trainers,
+                 unit_host: Callable[[str], str] | None) -> StepPlanner:
+  """Plans each admitted mini-batch over `consumers` (the trainers' handle gives the
+  mesh's batch shards, whether the step encodes images once, each consumer's host)."""
+  cfg = setup.cfg
+  return StepPlanner(
+      consumers, cfg.micro_batch_size, setup.loss.normalize_adv_std,
+      image_slots=(encode_once_slots(trainers.rows_multiple, consumers, cfg.spec.mini_batch_groups)
+                   if trainers.encode_once else None),
+      consumer_host=trainers.consumer_host, unit_host=unit_host,
+      locality_tolerance=cfg.locality_tolerance)
+
+
+def make_admission(setup: JobSetup):
+  """(policy, dispatch): the admission policy (train-batch admission for the
+  synchronous schedules) and the seeded order prompt sources start in."""
+  cfg = setup.cfg
+  policy = make_policy(cfg.policy if cfg.mode == "disaggregated" else "train_batch", cfg.spec)
+  # Prompt sources in quota-exact blocks of G, ordered by the dispatch policy.
+  dispatch: DispatchStream = make_dispatch(cfg.dispatch, cfg.spec, setup.sources,
+                                           np.random.default_rng(cfg.seed))
+  return policy, dispatch
+
+
+def make_evaluator(setup: JobSetup, graphdef) -> Evaluator | None:
+  """Held-out evaluation (EvalConfig), or None when it is off."""
+  eval_cfg = EvalConfig()
+  if not eval_cfg.every_steps:
+    return None
+  if setup.qwen is not None:
+    raise ValueError("EvalConfig.every_steps: held-out evaluation of a Qwen-VL policy is "
+                     "not built yet; set it to 0")
+  cfg = setup.cfg
+  return Evaluator(eval_cfg, graphdef, setup.sampler, cfg.suite, setup.trained_sources, cfg.seed,
+                   setup.vision, setup.math)

@@ -1,0 +1,22 @@
+"""The entry point: runs the job where JobConfig.cluster says (scripts/train.py).
+
+    summary = run(workdir, resume)
+
+'local' runs job/local.py (this process trains, rollout workers are its children);
+'ray' runs cluster/ray_job.py (this process drives Ray's trainer and rollout actors).
+Both run the same loop, job/driver.py. This module sits above job/ and cluster/ so that
+job/ never imports cluster/.
+"""
+from __future__ import annotations
+
+from knittrans_jax.cluster.ray_setup import RayConfig  # noqa: F401  (gin: no Ray imported)
+from knittrans_jax.job.config import JobConfig
+from knittrans_jax.job.local import run_local
+
+
+def run(workdir: str, resume: bool = False) -> dict:
+  """Trains to JobConfig.train_batches where JobConfig.cluster says; returns the summary."""
+  if JobConfig().cluster == "ray":
+    from knittrans_jax.cluster.ray_job import run_on_ray  # Ray is imported only for Ray runs
+    return run_on_ray(workdir, resume)
+  return run_local(workdir, resume)
