@@ -1,4 +1,5 @@
 """Benchmarks run and write every key they promise (no speed asserted here)."""
+import importlib
 import json
 import subprocess
 import sys
@@ -128,10 +129,10 @@ def test_simulate_script_writes_summary(tmp_path):
   assert 0 < s["fraction_of_bound"] <= 1
 
 
-def figures_module():
+def figures(group: str):
+  """scripts/reproduce_figures.py's figure group `group` (scripts/figures_<group>.py)."""
   sys.path.insert(0, "scripts")
-  import reproduce_figures
-  return reproduce_figures
+  return importlib.import_module(f"figures_{group}")
 
 
 @pytest.mark.slow
@@ -184,7 +185,7 @@ def test_bench_multimodal_writes_its_json(tmp_path):
   # naive encoder, 4 (one per unique image) through the encode-once step.
   assert r["encoder_forwards"] == {"baseline": 16, "knittrans": 4, "unique_images": 4}
   assert "speedup" in proc.stdout
-  fig = figures_module().multimodal_figure(r, str(tmp_path))
+  fig = figures("multimodal").multimodal_figure(r, str(tmp_path))
   assert fig["seconds_per_mini_batch"]["dedup_only"] == r["ablation"]["dedup_only_s"]
   assert fig["seconds_per_mini_batch"]["knittrans"] == r["knittrans_s"]
   assert (tmp_path / "multimodal_step.png").stat().st_size > 0

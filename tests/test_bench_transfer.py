@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from test_bench_scripts import figures_module
+from test_bench_scripts import figures
 
 
 def bench_transfer(out, *flags):
@@ -42,7 +42,7 @@ def test_bench_transfer_writes_its_json(transfer_dedup, tmp_path):
   assert r["total_ratio"] == pre["total_ratio"] == pytest.approx(
       pre["total_s"] / r["ondemand"]["total_s"])
   assert "centralized_prefetch" in stdout
-  fig = figures_module().transfer_figure({"vlm": r}, str(tmp_path))["vlm"]
+  fig = figures("transfer").transfer_figure({"vlm": r}, str(tmp_path))["vlm"]
   assert fig["exposed_ratio"] == r["exposed_ratio"]
   assert fig["baseline_exposed_s"] == r["baseline"]["exposed_s"]
   assert (tmp_path / "transfer_latency.png").stat().st_size > 0

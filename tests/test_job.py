@@ -49,9 +49,10 @@ def wait_for_steps(workdir, steps, proc, timeout=300):
   pytest.fail(f"fewer than {steps} steps after {timeout} s")
 
 
-def reproduce_figures():
+def figures_runs():
+  """scripts/reproduce_figures.py's runs group."""
   sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-  import reproduce_figures as module
+  import figures_runs as module
   return module
 
 
@@ -128,7 +129,7 @@ def test_end_to_end(tmp_path, mode, policy, data_path):
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode != 0 and "holds a previous run" in out
   # The figures script reads the same numbers from the run (reproduce_figures.py runs).
-  figures = reproduce_figures()
+  figures = figures_runs()
   r = figures.runs_figures({policy: figures.run_result(str(work))}, str(tmp_path))[policy]
   assert r["arch_mean"] == pytest.approx(summary["arch_staleness_mean"]) and r["steps"] == 6
   assert (tmp_path / "learning_curves.png").stat().st_size > 0
