@@ -20,6 +20,7 @@ import time
 
 from tqdm import tqdm
 
+from knittrans_jax import cli
 from knittrans_jax.admission import GroupInfo, TrainBatchSpec, make_policy
 
 # source: (share of a train batch in sixteenths, lognormal sigma of rollout time)
@@ -93,8 +94,11 @@ def main():
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--G", type=int, default=512)
   parser.add_argument("--M", type=int, default=16)
+  cli.add_check_flag(parser)
   args = parser.parse_args()
   spec = make_spec(G=args.G, M=args.M)
+  if cli.check_only(args):
+    return
   results = {name: run(name, spec, args.train_batches, args.seed)
              for name in ("constraint_preserving", "train_batch", "fifo")}
   out = dict(results["constraint_preserving"])  # the headline keys are ours

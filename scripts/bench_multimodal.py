@@ -52,6 +52,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from knittrans_jax import cli
+
 VOCAB = 64
 VARIANTS = ("baseline", "dedup_only", "ondemand_only", "knittrans")
 
@@ -432,10 +434,13 @@ def main():
                            "the tiny VLM (uint8 images of --image px through its processor)")
   parser.add_argument("--dir", default=None)
   parser.add_argument("--sweep", action="store_true", help="one knob at a time; JSON + PNG")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
   if not args.model and args.image % (args.patch * args.merge):
     parser.error(f"--image {args.image} is not a multiple of --patch {args.patch} x --merge "
                  f"{args.merge}")
+  if cli.check_only(args):
+    return
   if args.sweep:
     out = sweep(args)
   else:

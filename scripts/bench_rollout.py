@@ -36,7 +36,7 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
-from knittrans_jax import gin_cli
+from knittrans_jax import cli
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
@@ -90,7 +90,7 @@ def trainer_logprob_diff(model, groups, temperature: float, length: int) -> floa
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  gin_cli.add_flags(parser)
+  cli.add_flags(parser)
   parser.add_argument("--json", default="runs/bench_rollout.json")
   parser.add_argument("--groups", type=int, default=64)
   parser.add_argument("--updates", type=int, default=5)
@@ -103,10 +103,13 @@ def main():
   args = parser.parse_args()
   args.gin_file = args.gin_file or ["configs/text_grpo_tails.gin"]
   args.gin_bindings = ["DecoderConfig.heads = 2", *args.gin_bindings]
-  gin_cli.parse(args)
+  cli.parse(args)
   job, model_cfg, sampler = JobConfig(), DecoderConfig(), SamplerConfig()
   if sampler.top_p != 1.0:
     raise SystemExit("bench_rollout compares log-probs at top_p = 1 (the loss's own function)")
+  if cli.check_only(args):
+    gin.clear_config()
+    return
   n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources("text"))
   if args.checkpoint:
     from knittrans_jax.models import hf

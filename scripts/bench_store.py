@@ -69,6 +69,7 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from knittrans_jax import cli
 from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
 from knittrans_jax.testing.s3_server import start_s3_server
 from knittrans_jax.types import Trajectory
@@ -349,8 +350,11 @@ def main():
                       help="where the growing unit goes (default /dev/shm)")
   parser.add_argument("--s3", action="store_true",
                       help="also run the append and reads on s3:// (a local moto server)")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
   shape = tuple(int(d) for d in args.image_shape.split(","))
+  if cli.check_only(args):
+    return
 
   base = args.dir or tempfile.mkdtemp(prefix="bench_store_")
   results = {}

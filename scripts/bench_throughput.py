@@ -24,9 +24,11 @@ import subprocess
 import sys
 import tempfile
 
+import gin
 import numpy as np
 from tqdm import tqdm
 
+from knittrans_jax import cli
 from knittrans_jax.job.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +50,11 @@ def parse_config(text: str) -> tuple[str, list[str]]:
   return name.strip(), [b.strip() for b in bindings.split(";") if b.strip()]
 
 
+def run_bindings(train_batches: int) -> list[str]:
+  """What every benchmarked run binds before its configuration's bindings."""
+  return [f"JobConfig.train_batches = {train_batches}", "EvalConfig.every_steps = 0"]
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -59,6 +66,7 @@ def main():
   parser.add_argument("--skip_train_batches", type=int, default=5,
                       help="train batches left out of the steady state (start-up)")
   parser.add_argument("--json", required=True)
+  cli.add_check_flag(parser)
   args = parser.parse_args()
   try:
     configs = dict(parse_config(c) for c in args.config)
@@ -66,6 +74,14 @@ def main():
     parser.error(str(e))
   if len(configs) != len(args.config):
     parser.error("--config names must be distinct")
+  if args.check_args:  # each configuration's job, as its train.py run would build it
+    for bindings in configs.values():
+      cli.parse(argparse.Namespace(gin_file=[args.gin_file], gin_bindings=[
+          *run_bindings(args.train_batches), *bindings], check_args=True))
+      cli.check_job()
+      gin.clear_config()
+    cli.check_only(args)
+    return
   tmp = tempfile.mkdtemp(prefix="bench_throughput_")
   runs = {name: [] for name in configs}
   skip = None
@@ -75,9 +91,8 @@ def main():
         for name, bindings in configs.items():
           wd = os.path.join(tmp, f"config{list(configs).index(name)}_run{len(runs[name])}")
           cmd = [sys.executable, "scripts/train.py", "--gin_file", args.gin_file, "--workdir", wd,
-                 "--overwrite", "--gin_bindings", f"JobConfig.train_batches = {args.train_batches}",
-                 "--gin_bindings", "EvalConfig.every_steps = 0"]
-          for b in bindings:
+                 "--overwrite"]
+          for b in [*run_bindings(args.train_batches), *bindings]:
             cmd += ["--gin_bindings", b]
           proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                                 env={**os.environ, "JAX_PLATFORMS": "cpu"})

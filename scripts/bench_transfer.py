@@ -58,6 +58,8 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+from knittrans_jax import cli
+
 N = 8
 MODES = ("baseline", "prefetch", "ondemand")
 VOCAB = 256  # the default decoder's vocabulary
@@ -174,7 +176,10 @@ def main():
   parser.add_argument("--no-dedup", dest="dedup", action="store_false",
                       help="store (and read) each trajectory's own copy of its image: both "
                            "data paths then move the same image bytes")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
+  if cli.check_only(args):
+    return
 
   from knittrans_jax.dataplane import centralized as C
   from knittrans_jax.job.work import StepPlanner

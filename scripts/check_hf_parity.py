@@ -23,13 +23,17 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                            " --xla_force_host_platform_device_count=8")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "tests")]
+from knittrans_jax import cli  # noqa: E402
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", default=None)
+  cli.add_check_flag(parser)
   args = parser.parse_args()
+  if cli.check_only(args):
+    return
   import jax
   import jax.numpy as jnp
   import numpy as np

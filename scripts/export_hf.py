@@ -16,6 +16,8 @@ import json
 import os
 import shutil
 
+from knittrans_jax import cli
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "special_tokens_map.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
@@ -86,7 +88,10 @@ def main():
   parser.add_argument("--out", required=True, help="the Hugging Face directory to write")
   parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: latest)")
   parser.add_argument("--dtype", default=None, help="tensor dtype (default: the parameters')")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
+  if cli.check_only(args):
+    return
   info = export(args.workdir, args.out, args.step, args.dtype)
   print(f"exported step {info['step']} of {args.workdir} as {info['family']} to {info['out']}: "
         f"{', '.join(info['files'] + info['tokenizer_files'])}")

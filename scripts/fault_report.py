@@ -29,6 +29,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from knittrans_jax import cli  # noqa: E402
 from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, disk_full,  # noqa: E402
                                   s3_outage, trainer_kill, writer_kill)
 from knittrans_jax.storage import layout as L  # noqa: E402
@@ -71,7 +72,10 @@ def main():
   parser.add_argument("--only", nargs="*", choices=sorted(RUNNERS))
   parser.add_argument("--dir", default=None, help="keep the scenarios' work dirs here")
   parser.add_argument("--store", default="file", help="file, s3 or an s3:// URL (see above)")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
+  if cli.check_only(args):
+    return
   counts = QUICK if args.quick else FULL
   base = args.dir or tempfile.mkdtemp(prefix="fault_report_")
   backend = "file" if args.store == "file" else "s3"

@@ -36,6 +36,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from knittrans_jax import cli  # noqa: E402  (no JAX: XLA_FLAGS are set in main, before it)
+
 
 def _fmt(x: float, unit: int) -> str:
   return f"{x / unit:9.3f}"
@@ -185,16 +188,24 @@ def main():
   parser.add_argument("--json", default=None, help="write the plans here")
   parser.add_argument("--full_logits", action="store_true",
                       help="plan the step with the whole logits, as before chunked log-probs")
+  cli.add_check_flag(parser)
   args = parser.parse_args()
   # Before JAX starts: N host devices stand in for the accelerators.
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              f" --xla_force_host_platform_device_count={args.devices}")
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   from knittrans_jax import gin_cli
   meshes = args.mesh or sorted(glob.glob(str(gin_cli.REPO_ROOT / "configs" / "mesh" / "*.gin")))
   rows = args.rows or args.devices
   bindings = args.gin_bindings
+  if args.check_args:  # each layout's configs (DecoderConfig, MeshConfig), nothing compiled
+    import gin
+    for mesh_gin in meshes:
+      cli.parse(argparse.Namespace(gin_file=[args.model, mesh_gin], gin_bindings=bindings,
+                                   check_args=True))
+      gin.clear_config()
+    cli.check_only(args)
+    return
   plans = []
   from tqdm import tqdm
   for mesh_gin in tqdm(meshes, desc="compiling", unit="layout", disable=None):

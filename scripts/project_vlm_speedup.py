@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from knittrans_jax import cli  # noqa: E402
 
 # Qwen2-VL-7B: the language model as configs/models/qwen2_5_7b.gin (Qwen2-VL-7B's is
 # the same shape), the vision tower as its config.json's vision_config.
@@ -128,7 +129,10 @@ def main():
   p.add_argument("--measure_prompts", type=int, default=16)
   p.add_argument("--measure_image", type=int, default=448)
   p.add_argument("--repeats", type=int, default=3)
+  cli.add_check_flag(p)
   a = p.parse_args()
+  if cli.check_only(a):
+    return
   paths = measure_paths(a)
   rows = []
   for image in sorted({a.image, 896}):

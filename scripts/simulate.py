@@ -19,7 +19,7 @@ import time
 
 import gin
 
-from knittrans_jax import gin_cli
+from knittrans_jax import cli, gin_cli
 from knittrans_jax.sim import SimConfig
 from knittrans_jax.sim.sweep import (COMBOS, headline, over_seeds, reduction_by_window,
                                      runs_below_bound, sweep_points, window_grid)
@@ -123,14 +123,17 @@ def sweep(out: str, policies=COMBOS, windows=None, workers=None, match_tolerance
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  gin_cli.add_flags(parser)
+  cli.add_flags(parser)
   parser.add_argument("--out", default="runs/sim", help="output directory")
   parser.add_argument("--seeds", default="", help="comma-separated seeds to read the reduction "
                       "by baseline window on too (a full sweep each), e.g. 0,1,2,3,4")
   args = parser.parse_args()
   args.workdir = args.workdir or args.out
-  gin_cli.parse(args)
-  sweep(args.out, seeds=tuple(int(s) for s in args.seeds.split(",") if s.strip()))
+  cli.parse(args)
+  seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+  if cli.check_only(args):
+    return
+  sweep(args.out, seeds=seeds)
   gin_cli.save_operative_config(args.out)
 
 

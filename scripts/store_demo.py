@@ -20,7 +20,7 @@ import gin
 import numpy as np
 from tqdm import tqdm
 
-from knittrans_jax import gin_cli
+from knittrans_jax import cli, gin_cli
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.storage.synthetic import random_group
 
@@ -110,9 +110,11 @@ def store_demo(workdir: str, store_url: str | None = None, producers: int = 4,
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  gin_cli.add_flags(parser, workdir_default="runs/store_demo")
+  cli.add_flags(parser, workdir_default="runs/store_demo")
   args = parser.parse_args()
-  gin_cli.parse(args)
+  cli.parse(args)
+  if cli.check_only(args):
+    return
   store_demo(workdir=args.workdir)
   gin_cli.save_operative_config(args.workdir)
 

@@ -50,7 +50,7 @@ from tqdm import tqdm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from knittrans_jax import gin_cli  # noqa: E402
+from knittrans_jax import cli, gin_cli  # noqa: E402
 from knittrans_jax.study import plots  # noqa: E402
 from knittrans_jax.job.metrics import read_metrics  # noqa: E402
 from knittrans_jax.study.curves import eval_curve, final_reward, first_reaching  # noqa: E402
@@ -170,14 +170,15 @@ def study(out: str, base_gin: str = "configs/text_grpo_tiny.gin",
           parallel: int = 1, metric: str = "sampled", threshold: float | None = None,
           baseline: str | None = None, reference: str | None = None,
           dose_configurations=(), train_batches: int | None = None, comparisons=None,
-          selection_seeds=()) -> dict:
+          selection_seeds=(), check: bool = False) -> dict | None:
   """configurations: {name: [gin bindings]}; every one runs with every seed.
   baseline / reference: the configurations whose gap the others close (e.g.
   'train_batch W=2G' and 'synchronous'). dose_configurations: the runs of the
   dose-response fit (one policy across windows). train_batches: overrides the base
   config's JobConfig.train_batches in every run (shorter studies). comparisons:
   {name: other configuration}, the paired differences to report. selection_seeds:
-  the seeds the settings were chosen on (recorded; none may be reported)."""
+  the seeds the settings were chosen on (recorded; none may be reported). check: return
+  None once the study's settings are checked, running nothing (--check_args)."""
   if not configurations:
     raise ValueError("study.configurations is empty: give {name: [gin bindings]}")
   if parallel < 1:
@@ -196,6 +197,8 @@ def study(out: str, base_gin: str = "configs/text_grpo_tiny.gin",
   common = list(common_bindings)
   if train_batches is not None:
     common.append(f"JobConfig.train_batches = {train_batches}")
+  if check:
+    return None
   grid = [(name, seed) for name in names for seed in seeds]
   t0 = time.perf_counter()
   rows = []
@@ -283,14 +286,16 @@ def table(result: dict) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-  gin_cli.add_flags(parser)
+  cli.add_flags(parser)
   parser.add_argument("--out", default="runs/study", help="output directory")
   args = parser.parse_args()
   if not args.gin_file:
     args.gin_file = ["configs/study/staleness.gin"]
   args.workdir = args.workdir or args.out
-  gin_cli.parse(args)
-  study(args.out)
+  cli.parse(args)
+  study(args.out, check=args.check_args)
+  if cli.check_only(args):
+    return
   gin_cli.save_operative_config(args.out)
 
 

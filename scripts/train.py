@@ -18,23 +18,28 @@ from __future__ import annotations
 import argparse
 import shutil
 
-from knittrans_jax import gin_cli
+from knittrans_jax import cli
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  gin_cli.add_flags(parser, workdir_default="runs/text_grpo_tiny")
+  cli.add_flags(parser, workdir_default="runs/text_grpo_tiny")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--overwrite", action="store_true", help="delete WORKDIR first")
   args = parser.parse_args()
   if args.overwrite and args.resume:
     parser.error("--overwrite and --resume exclude each other")
+  if not args.gin_file:
+    args.gin_file = ["configs/text_grpo_tiny.gin"]
+  if args.check_args:  # the job's set-up checks, with no work dir touched
+    cli.parse(args)
+    cli.check_job()
+    cli.check_only(args)
+    return
   if args.overwrite:
     shutil.rmtree(args.workdir, ignore_errors=True)
   from knittrans_jax.job.run import run  # noqa: E402  (imports JAX models)
-  if not args.gin_file:
-    args.gin_file = ["configs/text_grpo_tiny.gin"]
-  gin_cli.parse(args)
+  cli.parse(args)
   summary = run(args.workdir, resume=args.resume)
   print()
   start, last = summary.get("eval_start"), summary.get("eval_last")
