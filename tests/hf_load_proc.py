@@ -17,8 +17,8 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
+from knittrans_jax.mesh import MeshConfig, make_mesh  # noqa: E402
 from knittrans_jax.models import hf  # noqa: E402
-from knittrans_jax.train.mesh import MeshConfig, make_mesh  # noqa: E402
 
 read = []  # bytes each callback returned: what this process read from the files
 make = jax.make_array_from_callback

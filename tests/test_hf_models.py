@@ -11,10 +11,10 @@ import transformers
 from flax import nnx
 
 from hf_helpers import FAMILIES, make_checkpoint, padded_batch, torch_logits
+from knittrans_jax.mesh import MeshConfig, make_mesh
 from knittrans_jax.models import hf
 from knittrans_jax.models.safetensors_io import SafetensorsError
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
-from knittrans_jax.train.mesh import MeshConfig, make_mesh
 
 FSDP_TP = MeshConfig(axes=(("fsdp", -1), ("tensor", 2)),
                      rules=(("batch", "fsdp"), ("embed", "fsdp"), ("heads", "tensor"),

@@ -13,10 +13,11 @@ from flax import nnx
 from PIL import Image
 
 from hf_helpers import randomize_vl_
+from knittrans_jax.mesh import MeshConfig, make_mesh
 from knittrans_jax.models import qwen_image_processor as qip
 from knittrans_jax.models import qwen_vision as qv
+from knittrans_jax.models import qwen_vision_hf as qv_hf
 from knittrans_jax.models.hf import CheckpointError
-from knittrans_jax.train.mesh import MeshConfig, make_mesh
 
 FSDP_TP = MeshConfig(axes=(("fsdp", -1), ("tensor", 2)),
                      rules=(("embed", "fsdp"), ("heads", "tensor"), ("mlp", "tensor")))
@@ -62,7 +63,7 @@ def checkpoints(tmp_path_factory):
 def towers(checkpoints):
   """family -> (our tower on an fsdp x tensor mesh of the 8 CPU devices, its config)."""
   mesh = make_mesh(FSDP_TP)
-  return {f: qv.load(path, mesh=mesh, rules=FSDP_TP.rules) for f, (path, _) in checkpoints.items()}
+  return {f: qv_hf.load(path, mesh=mesh, rules=FSDP_TP.rules) for f, (path, _) in checkpoints.items()}
 
 
 def pixels(grid, patch_dim, seed=0):
@@ -130,7 +131,7 @@ def test_model_visual_prefix_loads_the_same(checkpoints, towers, tmp_path):
   with open(os.path.join(src, "config.json")) as f, \
       open(os.path.join(path, "config.json"), "w") as g:
     g.write(f.read())
-  tower, _ = qv.load(path)
+  tower, _ = qv_hf.load(path)
   a = jax.tree.leaves(nnx.state(tower, nnx.Param))
   b = jax.tree.leaves(nnx.state(towers["qwen2_vl"][0], nnx.Param))
   for x, y in zip(a, b):
@@ -150,13 +151,13 @@ def test_released_style_configs_read_as_transformers_reads_them():
       "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2,
       "temporal_patch_size": 2, "model_type": "qwen2_5_vl"}}
-  a = qv.config_from_hf(q2)
+  a = qv_hf.config_from_hf(q2)
   v = transformers.Qwen2VLConfig(vision_config=q2["vision_config"]).vision_config
   assert (a.width, a.out_width, a.mlp_width, a.act, a.heads, a.depth) == (
       v.embed_dim, v.hidden_size, int(v.embed_dim * v.mlp_ratio), v.hidden_act, v.num_heads,
       v.depth)
   assert (a.norm, a.mlp, a.window_size) == ("layernorm", "fc", 0)
-  b = qv.config_from_hf(q25, dtype="bfloat16")
+  b = qv_hf.config_from_hf(q25, dtype="bfloat16")
   v = transformers.Qwen2_5_VLConfig(vision_config=q25["vision_config"]).vision_config
   assert (b.width, b.out_width, b.mlp_width, b.act, b.window_size, b.full_attention_layers) == (
       v.hidden_size, v.out_hidden_size, v.intermediate_size, v.hidden_act, v.window_size,
@@ -211,7 +212,7 @@ def test_bad_checkpoints_name_the_tensor(checkpoints, tmp_path, case, match):
   with open(os.path.join(path, "config.json"), "w") as f:
     json.dump(config, f)
   with pytest.raises(CheckpointError, match=match):
-    qv.load(path)
+    qv_hf.load(path)
 
 
 def _drops_alpha() -> bool:

@@ -16,6 +16,7 @@ from flax import nnx
 
 from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
 from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.mesh import replicated
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.hf import read_config
 from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, EncoderCalls, QwenVLImages,
@@ -24,7 +25,6 @@ from knittrans_jax.rl import LossConfig
 from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
                                  make_mesh, make_optimizer)
 from knittrans_jax.train.batch import batch_shardings, rows_multiple
-from knittrans_jax.train.mesh import replicated
 from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
 from test_multimodal_dedup import max_rel_err
 

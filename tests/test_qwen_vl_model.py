@@ -11,9 +11,9 @@ import transformers
 from flax import nnx
 
 from hf_helpers import END, IMAGE, QWEN_VL, START, make_qwen_vl_checkpoint
+from knittrans_jax.mesh import MeshConfig, make_mesh
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.hf import CheckpointError
-from knittrans_jax.train.mesh import MeshConfig, make_mesh
 
 FSDP_TP = MeshConfig(axes=(("fsdp", -1), ("tensor", 2)),
                      rules=(("batch", "fsdp"), ("embed", "fsdp"), ("heads", "tensor"),

@@ -1,5 +1,5 @@
 """Hugging Face checkpoint directories in and out: the one loader and writer every model
-family goes through (models/hf.py's decoders, models/qwen_vision.py's tower,
+family goes through (models/hf.py's decoders, models/qwen_vision_hf.py's tower,
 models/qwen_vl.py's both).
 
     tensors = CheckpointDir(path)
@@ -28,9 +28,9 @@ import numpy as np
 from flax import nnx
 from tqdm import tqdm
 
+from knittrans_jax.mesh import logical_shardings, mesh_or_default
 from knittrans_jax.models import scan as layer_scan
 from knittrans_jax.models.safetensors_io import SafetensorsFile, write
-from knittrans_jax.train.mesh import MeshConfig, logical_shardings, make_mesh
 
 
 class CheckpointError(ValueError):
@@ -101,13 +101,6 @@ def transposed(name: str, shape: tuple[int, ...]) -> Source:
   return Source(name, tuple(shape[::-1]), lambda d: d.T)
 
 
-def _mesh(mesh, rules):
-  if mesh is None:
-    mc = MeshConfig()
-    mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
-  return mesh, rules or ()
-
-
 def load_params(path: str, tensors: CheckpointDir, abs_params,
                 source: Callable[[tuple, tuple[int, ...]], Source], present: set[str], *,
                 mesh=None, rules=None, dtype, what: str, desc: str) -> nnx.State:
@@ -117,7 +110,7 @@ def load_params(path: str, tensors: CheckpointDir, abs_params,
   (the others, another part's, are left alone); every one must be used and every
   needed one present. Raises CheckpointError naming the tensor and both shapes, or
   the missing and unexpected tensors against `what` (e.g. 'the qwen2 config')."""
-  mesh, rules = _mesh(mesh, rules)
+  mesh, rules = mesh_or_default(mesh, rules)
   shardings = dict(nnx.to_flat_state(logical_shardings(nnx.get_partition_spec(abs_params),
                                                        mesh, rules)))
 

@@ -11,9 +11,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from knittrans_jax.hidden import Hidden, Projection
 from knittrans_jax.models import scan as layer_scan
-from knittrans_jax.models.layers import (ATTENTION_IMPLS, Block, Hidden, Projection, RMSNorm, Rope,
-                                         _normal, dense, wide)
+from knittrans_jax.models.layers import (ATTENTION_IMPLS, DTYPES, Block, RMSNorm, Rope, _normal,
+                                         dense, wide)
 
 FAMILIES = ("toy", "qwen2", "qwen3", "llama")
 ROPE_TYPES = ("default", "llama3")
@@ -23,7 +24,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,  # recompute the whole block
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,  # keep matmul outputs
 }
-DTYPES = ("float32", "bfloat16", "float16", "float64")
 
 
 @gin.configurable

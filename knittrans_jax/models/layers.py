@@ -3,77 +3,32 @@
 Logical axes: 'vocab', 'embed' (model width), 'heads' (attention heads x head dim),
 'mlp' (feed-forward width), 'patch' (flattened image patch), 'head_dim' (one
 head's width: q/k norm scales, left replicated by every layout). Mesh layouts map them
-to mesh axes (configs/mesh/*.gin, knittrans_jax/train/mesh.py).
+to mesh axes (configs/mesh/*.gin, knittrans_jax/mesh.py).
 
-Activations carry logical names too (MaxText's convention): 'activation_batch',
-'activation_length', 'activation_embed', 'activation_heads', 'activation_mlp',
-'activation_vocab'. `constrain` pins an activation to its layout's sharding while a
-train step traces under `activation_sharding(mesh, rules)` (train/step.py); anywhere
-else (the sampler, tests calling a model directly) it is the identity.
+Activations carry logical names too; `constrain` (knittrans_jax/mesh.py) pins them
+to the layout's sharding while a train step traces.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
-import threading
-from typing import Any, Callable
 
 import jax
 import numpy as np
 import jax.numpy as jnp
 from flax import nnx
 
+from knittrans_jax.mesh import constrain
+
+# The dtype names a model config takes (dtype, param_dtype), the decoder's and the
+# vision tower's alike.
+DTYPES = ("float32", "bfloat16", "float16", "float64")
 _normal = nnx.initializers.normal(stddev=0.02)
-_ACTIVATIONS = threading.local()  # (mesh, rules) while a train step traces
-
-
-@contextlib.contextmanager
-def activation_sharding(mesh, rules):
-  """Within: `constrain` maps activations' logical axes to `mesh` by `rules`."""
-  before = getattr(_ACTIVATIONS, "value", None)
-  _ACTIVATIONS.value = (mesh, list(rules))
-  try:
-    yield
-  finally:
-    _ACTIVATIONS.value = before
-
-
-def constrain(x, *axes):
-  """x with the sharding its logical axes (one per dimension) get from the active
-  layout's rules; the identity outside `activation_sharding`."""
-  active = getattr(_ACTIVATIONS, "value", None)
-  if active is None:
-    return x
-  from flax import linen as nn  # the logical-axis rules engine (as MaxText uses it)
-  from jax.sharding import NamedSharding
-  mesh, rules = active
-  return jax.lax.with_sharding_constraint(
-      x, NamedSharding(mesh, nn.logical_to_mesh_axes(axes, rules)))
 
 
 def wide(dtype) -> jnp.dtype:
   """The dtype for numerically sensitive math: float32, or float64 under x64 tests."""
   return jnp.promote_types(dtype, jnp.float32)
-
-
-@dataclasses.dataclass(frozen=True)
-class Projection:
-  """`apply(state, h)`: the output head with its parameters `state` passed in."""
-  apply: Callable
-  state: Any
-
-  def __call__(self, h):
-    return self.apply(self.state, h)
-
-
-@dataclasses.dataclass(frozen=True)
-class Hidden:
-  """What the decoder returns for the train step: the normed final hidden states
-  [B, T, width] and the projection to the vocabulary."""
-  states: jax.Array
-  project: Projection
-
 
 
 def dense(rngs: nnx.Rngs, din: int, dout: int, axes: tuple[str, str], dtype,

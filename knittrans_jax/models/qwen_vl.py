@@ -1,5 +1,6 @@
-"""Qwen2-VL and Qwen2.5-VL: the vision tower (models/qwen_vision.py) and the decoder
-with M-RoPE (models/decoder.py), loaded from a Hugging Face checkpoint directory.
+"""Qwen2-VL and Qwen2.5-VL: the vision tower (models/qwen_vision.py; its Hugging Face
+names models/qwen_vision_hf.py) and the decoder with M-RoPE (models/decoder.py),
+loaded from a Hugging Face checkpoint directory.
 
     model, config = qwen_vl.load("/ckpt/Qwen2.5-VL-7B-Instruct", dtype="bfloat16")
     positions, rope_delta = qwen_vl.mrope_positions(input_ids, image_grid_thw, config, mask)
@@ -33,12 +34,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from knittrans_jax.mesh import mesh_or_default
 from knittrans_jax.models import hf
 from knittrans_jax.models import qwen_vision as qv
+from knittrans_jax.models import qwen_vision_hf as qv_hf
 from knittrans_jax.models.decoder import DecoderConfig, DecoderLM
 from knittrans_jax.models.checkpoint_io import (CheckpointDir, CheckpointError, read_config,
                                                 write_checkpoint)
-from knittrans_jax.train.mesh import MeshConfig, make_mesh
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +76,7 @@ def config_from_hf(hf_config: dict[str, Any], **overrides) -> QwenVLConfig:
   rope_scaling {type: mrope}). `overrides` go to the text DecoderConfig; `dtype`,
   `param_dtype` and `scan_layers` to the vision tower too. Missing keys take transformers'
   Qwen2VLTextConfig defaults where the released configs might leave them out."""
-  vision = qv.config_from_hf(hf_config, **{k: v for k, v in overrides.items()
+  vision = qv_hf.config_from_hf(hf_config, **{k: v for k, v in overrides.items()
                                            if k in ("dtype", "param_dtype", "scan_layers")})
   text = hf_config.get("text_config") or hf_config
   if text.get("hidden_act", "silu") != "silu":
@@ -318,20 +320,18 @@ def load(path: str, dtype: str = "float32", *, mesh=None, rules=None,
   released checkpoints have them) or `model.language_model.*` (transformers' module
   names), plus `lm_head.weight` unless the embeddings are tied; they are read as
   hf.load reads a decoder's (each device reads its own slice). The vision tower
-  comes from `visual.*` / `model.visual.*` (qwen_vision.load). `dtype` sets both
+  comes from `visual.*` / `model.visual.*` (qwen_vision_hf.load). `dtype` sets both
   parts' parameters and activations; `overrides` go to the text DecoderConfig
   (`param_dtype` to the tower too). Errors name the tensor and both shapes."""
   overrides = {"dtype": dtype, "param_dtype": dtype, **overrides}
   config = config_from_hf(read_config(path), **overrides)
-  if mesh is None:
-    mc = MeshConfig()
-    mesh, rules = make_mesh(mc), (mc.rules if rules is None else rules)
+  mesh, rules = mesh_or_default(mesh, rules)  # one mesh for both parts
   names = CheckpointDir(path).names
   prefix = ("model.language_model." if any(n.startswith("model.language_model.") for n in names)
             else "model.")
   decoder = hf.load_weights(path, config.text, mesh=mesh, rules=rules, prefix=prefix,
-                            owns=lambda n: not n.startswith(qv.PREFIXES))
-  tower, vision = qv.load(path, dtype, mesh=mesh, rules=rules,
+                            owns=lambda n: not n.startswith(qv_hf.PREFIXES))
+  tower, vision = qv_hf.load(path, dtype, mesh=mesh, rules=rules,
                           param_dtype=overrides["param_dtype"],
                           scan_layers=config.vision.scan_layers)
   assert vision == config.vision, (vision, config.vision)
@@ -357,6 +357,6 @@ def save(model: QwenVL, path: str, dtype: str | None = None, *, like: str | None
              if k in src}
   params = nnx.state(model, nnx.Param)
   tensors = {**hf.decoder_tensors(params["decoder"]),
-             **qv.hf_tensors(params["visual"], config.vision)}
+             **qv_hf.hf_tensors(params["visual"], config.vision)}
   return write_checkpoint(path, tensors, config_to_hf(config, dtype, **extra), dtype,
                              max_shard_bytes)

@@ -42,10 +42,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from knittrans_jax.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.models.layers import wide
 from knittrans_jax.models.vlm import vlm_forward
 from knittrans_jax.train.batch import batch_shardings
-from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding, replicated
 from knittrans_jax.train.step import StepFunctions
 
 ENCODER_KEYS = ("encoder", "projector")  # the toy VLM's image path: ViT, then projector

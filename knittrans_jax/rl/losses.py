@@ -12,7 +12,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from knittrans_jax.models.layers import Hidden, constrain
+from knittrans_jax.hidden import Hidden
+from knittrans_jax.mesh import constrain
 
 CORRECTIONS = ("none", "truncate", "mask")
 

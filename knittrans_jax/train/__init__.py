@@ -1,7 +1,8 @@
-"""Training stack: mesh and sharding rules, train state, step functions, checkpoints."""
+"""Training stack: train state, step functions, checkpoints; the mesh (knittrans_jax/mesh.py)
+re-exported for the callers that build one beside a train state."""
+from knittrans_jax.mesh import MeshConfig, make_mesh
 from knittrans_jax.train.batch import BadBatchError, batch_shardings, check_batch, put_batch
 from knittrans_jax.train.checkpoint import CheckpointConfig, Checkpointer
-from knittrans_jax.train.mesh import MeshConfig, make_mesh
 from knittrans_jax.train.optimizer import OptimizerConfig, make_optimizer
 from knittrans_jax.train.state import TrainState, abstract_state, init_train_state
 from knittrans_jax.train.step import StepFunctions, text_forward

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from knittrans_jax.train.mesh import batch_size_multiple, logical_sharding
+from knittrans_jax.mesh import batch_size_multiple, logical_sharding
 
 SPEC = {  # name: (dtype kind, rank)
     "tokens": ("iu", 2), "attention_mask": ("bui", 2), "loss_mask": ("fbui", 2),

@@ -14,7 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from knittrans_jax.train.mesh import logical_shardings, replicated
+from knittrans_jax.mesh import logical_shardings, replicated
 
 
 class TrainState(NamedTuple):

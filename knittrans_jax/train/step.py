@@ -27,10 +27,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from knittrans_jax.models.layers import activation_sharding, wide
+from knittrans_jax.mesh import activation_sharding, replicated
+from knittrans_jax.models.layers import wide
 from knittrans_jax.rl.losses import LossConfig, logprobs_of, merge_sums, nll_loss_sum, ppo_loss_sum
 from knittrans_jax.train.batch import batch_shardings
-from knittrans_jax.train.mesh import replicated
 from knittrans_jax.train.state import TrainState
 
 
