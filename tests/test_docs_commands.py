@@ -301,15 +301,29 @@ def test_docs_scripts_parse_and_check_their_configs(places):
   script module loaded once, so its gin configurables register once)."""
   todo = [{"cmd": _substituted(c, cov, places), "how": cov.how}
           for c, cov in COVER.items() if cov.how in ("check", "parse")]
+  # And check mode's own test: a bad value fails, naming it (last: they share the child).
+  bad = [{"cmd": f"scripts/train.py --gin_file {TINY} --gin_bindings \"{binding}\"",
+          "how": "check", "expect": names} for binding, names in BAD_VALUES]
+  todo += bad
   proc = subprocess.run([sys.executable, __file__], input=json.dumps(todo), cwd=ROOT,
                         capture_output=True, text=True, timeout=600,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, proc.stderr[-4000:]
   results = json.loads(proc.stdout.splitlines()[-1])
   print("\n".join(f"{r['s']:6.2f} s  {r['cmd']}" for r in results))  # -s shows each's time
+  assert len(results) == len(todo)
+  results, refused = results[:-len(bad)], results[-len(bad):]
   failed = {r["cmd"]: r["error"] for r in results if r["error"]}
   assert not failed, "\n\n".join(f"{c}\n{e}" for c, e in failed.items())
-  assert len(results) == len(todo)
+  for r, t in zip(refused, bad):
+    assert r["error"] is not None and t["expect"] in r["error"], (t, r)
+
+
+BAD_VALUES = [
+    ("JobConfig.workers = 0", "JobConfig.workers = 0"),  # the job's own config
+    ("RayConfig.trainers = 0", "RayConfig.trainers = 0"),  # a bound config train.py builds later
+    ("SamplerConfig.temperature = 0.5", "LossConfig.temperature"),  # a rule across configs
+]
 
 
 def test_make_targets_expand_and_make_run_checks_its_config():
@@ -445,12 +459,3 @@ if __name__ == "__main__":  # the child of test_docs_scripts_parse_and_check_the
     results.append({"cmd": t["cmd"], "error": error, "s": round(time.perf_counter() - t0, 2)})
   sys.stdout.write("\n" + json.dumps(results) + "\n")
 
-
-@pytest.mark.parametrize("binding, names", [
-    ("JobConfig.workers = 0", "JobConfig.workers = 0"),  # the job's own config
-    ("RayConfig.trainers = 0", "RayConfig.trainers = 0"),  # a bound config train.py builds later
-    ("SamplerConfig.temperature = 0.5", "LossConfig.temperature"),  # a rule across configs
-])
-def test_check_args_fails_on_a_bad_value(binding, names):
-  error = _run_one(f"scripts/train.py --gin_file {TINY} --gin_bindings \"{binding}\"", "check", {})
-  assert error is not None and names in error, error
