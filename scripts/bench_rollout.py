@@ -40,7 +40,8 @@ from knittrans_jax import cli
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
-from knittrans_jax.rollout.engine import EngineSpec, make_engine
+from knittrans_jax.rollout.engine import EngineSpec
+from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.groups import Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
 
@@ -52,7 +53,8 @@ def percentiles(xs) -> dict:
 def requests(seed: int, groups: int, n: int, sources, start: int = 0):
   rng = np.random.default_rng(seed)
   suite = Suite("text")
-  return [suite.request(seed, g, str(rng.choice(sources)), n) for g in range(start, start + groups)]
+  return [suite.request(suite.task(seed, g, str(rng.choice(sources))), seed, g, n)
+          for g in range(start, start + groups)]
 
 
 def timed_run(engine, reqs) -> dict:
@@ -132,9 +134,9 @@ def main():
     per_call = {"jax": job.groups_per_call, "jax_static": args.groups}.get(name, 1)
     with tempfile.TemporaryDirectory() as tmp:
       spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
-                        groups_per_call=per_call, workdir=tmp)
+                        groups_per_call=per_call, workdir=tmp, prompts=Suite("text").prompt_spec)
       t0 = time.perf_counter()
-      engine = make_engine(spec, graphdef, host, 0, Suite("text"))
+      engine = make_engine(spec, graphdef, host, 0)
       startup = time.perf_counter() - t0
       timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
       res, groups = timed_run(engine, reqs)

@@ -44,7 +44,7 @@ def main():
   from hf_helpers import FAMILIES, make_checkpoint, padded_batch, torch_logits
   from knittrans_jax.models import hf
   from knittrans_jax.rollout.sampler import SamplerConfig, generate
-  from knittrans_jax.train.mesh import MeshConfig, make_mesh
+  from knittrans_jax.mesh import MeshConfig, make_mesh
 
   mc = MeshConfig(axes=(("fsdp", -1), ("tensor", 2)),
                   rules=(("batch", "fsdp"), ("embed", "fsdp"), ("heads", "tensor"),
@@ -80,7 +80,7 @@ def main():
                                attention_mask=torch.from_numpy(att), max_new_tokens=16,
                                min_new_tokens=16, do_sample=False, pad_token_id=0,
                                eos_token_id=None).numpy()[:, 5:]
-      row["greedy_tokens_equal"] = int(sum((o == w).sum() for (o, _), w in zip(ours, want)))
+      row["greedy_tokens_equal"] = int(sum((o.tokens == w).sum() for o, w in zip(ours, want)))
       row["greedy_tokens"] = int(want.size)
       out = os.path.join(tmp, fam + "_export")
       hf.save(model, config, out)

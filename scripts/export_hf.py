@@ -28,7 +28,7 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
 
   from knittrans_jax import gin_cli
   from knittrans_jax.job.config import JobConfig
-  from knittrans_jax.job.run import model_config
+  from knittrans_jax.job.setup import model_config
   from knittrans_jax.models import hf
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.math_tasks import MathTaskConfig

@@ -95,7 +95,7 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
   from knittrans_jax.rl import LossConfig
   from knittrans_jax.train import MeshConfig, OptimizerConfig, StepFunctions, make_mesh, make_optimizer
   from knittrans_jax.train.batch import batch_shardings
-  from knittrans_jax.train.mesh import replicated
+  from knittrans_jax.mesh import replicated
   from knittrans_jax.train.program_arrays import largest_vocab_activation
   from knittrans_jax.train.state import train_state_shapes
   from knittrans_jax.train.step import text_forward

@@ -38,7 +38,7 @@ def main():
     return
   if args.overwrite:
     shutil.rmtree(args.workdir, ignore_errors=True)
-  from knittrans_jax.job.run import run  # noqa: E402  (imports JAX models)
+  from knittrans_jax.launch import run  # noqa: E402  (imports JAX models)
   cli.parse(args)
   summary = run(args.workdir, resume=args.resume)
   print()

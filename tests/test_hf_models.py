@@ -53,7 +53,7 @@ def test_greedy_decoding_matches_transformers_generate(family):
   graphdef, params = nnx.split(model)
   prompts = [np.array([5, 9, 14, 3, 22], np.int32), np.array([7, 41, 8], np.int32)]
   cfg = SamplerConfig(max_new_tokens=16, greedy=True, stop_tokens=())
-  ours = [t for t, _ in generate(graphdef, params, prompts, jax.random.key(0), cfg)]
+  ours = [o.tokens for o in generate(graphdef, params, prompts, jax.random.key(0), cfg)]
   P = 5
   ids = np.zeros((2, P), np.int64)
   att = np.zeros((2, P), np.int64)
@@ -99,9 +99,9 @@ def test_scanned_layers_load_decode_and_export_exactly(family, tmp_path):
   graphdef, params = nnx.split(model)
   prompts = [np.array([5, 9, 14, 3, 22], np.int32), np.array([7, 41, 8], np.int32)]
   cfg = SamplerConfig(max_new_tokens=8, greedy=True, stop_tokens=())
-  scanned = [t for t, _ in generate(graphdef, params, prompts, jax.random.key(0), cfg)]
-  unscanned = [t for t, _ in generate(*nnx.split(hf.load(path)[0]), prompts, jax.random.key(0),
-                                      cfg)]
+  scanned = [o.tokens for o in generate(graphdef, params, prompts, jax.random.key(0), cfg)]
+  unscanned = [o.tokens for o in generate(*nnx.split(hf.load(path)[0]), prompts,
+                                          jax.random.key(0), cfg)]
   for a, b in zip(scanned, unscanned):
     np.testing.assert_array_equal(a, b)
   out = str(tmp_path / "export")

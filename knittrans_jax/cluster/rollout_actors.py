@@ -27,9 +27,9 @@ import time
 from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
-from knittrans_jax.job.controller import Finished
+from knittrans_jax.job.roles import Finished
 from knittrans_jax.job.workers import release
-from knittrans_jax.rollout.worker import one_device_xla_flags, worker_main
+from knittrans_jax.rollout.worker import GroupDone, WorkerError, one_device_xla_flags, worker_main
 
 
 def _node_address() -> str:
@@ -47,13 +47,8 @@ class RolloutActor:
     self.requests, self.stop = queue.Queue(), threading.Event()
     self.pending: dict[int, asyncio.Future] = {}
     record_start(workdir, f"rollout{worker_id}")
-    a = args
     self.thread = threading.Thread(target=self._run, daemon=True, args=(
-        worker_id, workdir, store_url, a["seed"], a["n"], a["model_config"], a["sampler_config"],
-        self.requests, self, self.stop), kwargs=dict(
-            suite=a["suite"], vision=a["vision"], math=a.get("math"),
-            max_groups_per_call=a.get("groups_per_call", 4), engine=a.get("engine", "jax"),
-            engine_options=a.get("engine_options"), host=_node_address()))
+        worker_id, workdir, store_url, args, self.requests, self, self.stop, _node_address()))
     self.thread.start()
 
   def _run(self, *args, **kwargs) -> None:
@@ -65,12 +60,11 @@ class RolloutActor:
       os._exit(1)  # Ray sees the actor die and restarts it; its calls fail
 
   # worker_main's report queue: called on the engine thread.
-  def put(self, msg) -> None:
-    if msg[0] == "done":
-      _, _, gid, metas, seconds = msg
-      self.loop.call_soon_threadsafe(self._resolve, gid, (list(metas), seconds))
-    else:
-      print(f"rollout actor {self.id} failed:\n{msg[2]}", file=sys.stderr, flush=True)
+  def put(self, msg: GroupDone | WorkerError) -> None:
+    if isinstance(msg, WorkerError):
+      print(f"rollout actor {self.id} failed:\n{msg.message}", file=sys.stderr, flush=True)
+      return
+    self.loop.call_soon_threadsafe(self._resolve, msg.group_id, msg)
 
   def _resolve(self, gid: int, result) -> None:
     fut = self.pending.pop(gid, None)
@@ -78,7 +72,7 @@ class RolloutActor:
       fut.set_result(result)
 
   async def generate(self, group_id: int, source: str):
-    """([TrajMeta], seconds) once the group is committed (worker.py's report)."""
+    """The worker's GroupDone once the group is committed (rollout/worker.py)."""
     self.loop = asyncio.get_running_loop()
     fut = self.loop.create_future()
     self.pending[group_id] = fut
@@ -105,7 +99,7 @@ class RayWorkerPool:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     self.ray, self.store, self.cfg, self.log = ray, store, cfg, log
     self.args, self.estimate = worker_args, estimate
-    self.n, self.per_call = worker_args["n"], worker_args.get("groups_per_call", 4)
+    self.n, self.per_call = worker_args.n, worker_args.groups_per_call
     self.pg = placement_group([dict(cfg.rollout_resources)] * workers,
                               strategy=cfg.rollout_strategy, name="")
     try:
@@ -172,7 +166,7 @@ class RayWorkerPool:
           continue  # its worker was released by an earlier ref of this batch
         gid, w, _ = self.calls.pop(ref)
         try:
-          metas, seconds = ray.get(ref)
+          done: GroupDone = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
           lost.append((w, f"died ({type(e).__name__})"))
           continue
@@ -182,7 +176,7 @@ class RayWorkerPool:
         self.warm.add(w)
         if self.held.get(gid, (None,))[0] == w:
           del self.held[gid]
-          events.append(Finished(tuple(metas), seconds))
+          events.append(Finished(done.metas, done.seconds))
       now, hung = time.monotonic(), {}
       for gid, w, deadline in self.calls.values():
         if now > deadline and w not in hung:

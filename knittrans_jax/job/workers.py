@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from knittrans_jax.job.roles import Failed, Finished
-from knittrans_jax.rollout.worker import worker_main
+from knittrans_jax.rollout.worker import GroupDone, WorkerError, worker_main
 from knittrans_jax.storage import TrajectoryStore
 
 
@@ -92,14 +92,13 @@ class WorkerPool:
         self._start(w)
     return events
 
-  def _handle(self, msg) -> list:
-    if msg[0] == "done":
-      _, w, gid, metas, seconds = msg
-      if self.held.pop(gid, None) is None:
-        return []  # already released (its worker was lost): reported from the store then
-      return [Finished(tuple(metas), seconds)]
-    self.log(f"\nrollout worker {msg[1]} failed:\n{msg[2]}")
-    return []
+  def _handle(self, msg: GroupDone | WorkerError) -> list:
+    if isinstance(msg, WorkerError):
+      self.log(f"\nrollout worker {msg.worker} failed:\n{msg.message}")
+      return []
+    if self.held.pop(msg.group_id, None) is None:
+      return []  # already released (its worker was lost): reported from the store then
+    return [Finished(msg.metas, msg.seconds)]
 
   def _release(self, w: int) -> list:
     return release(self.store, self.held, w, self.args.n, f"worker {w} was lost")

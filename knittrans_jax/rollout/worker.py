@@ -5,11 +5,12 @@ The worker hands every queued group to its rollout engine (rollout/engine.py: 'j
 a static batch per step; 'vllm', continuous batching) and reports each group the
 step its last response finishes.
 
-Messages: requests are (group_id, source); reports are ("done", worker, group_id,
-[TrajMeta], seconds) or ("error", worker, message); seconds is the group's time in
-the engine (its decode time, without the wait in this worker's queue; the dispatch
-policies learn from it), None when it included compilation. A None request stops
-the worker.
+Messages: requests are (group_id, source); reports are `GroupDone` (a committed
+group's metadata; `seconds` is its time in the engine: its decode time, without the
+wait in this worker's queue, which the dispatch policies learn from; None when it
+included compilation) or `WorkerError` (the worker's traceback; it then exits). A
+None request stops the worker. Both pools read these (job/workers.py for local
+processes, cluster/rollout_actors.py for Ray actors).
 """
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ import traceback
 from typing import Any
 
 POLL_S = 0.02  # while busy: the queue and the weights are looked at after this much stepping
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupDone:
+  worker: int
+  group_id: int
+  metas: tuple  # TrajMeta, one per trajectory, committed before this report
+  seconds: float | None
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerError:
+  worker: int
+  message: str  # the traceback
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,11 +132,11 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
           rolled = tasks.rolled(held.pop(group.request.group_id), group)
           # The group's image is stored once, however many responses share it.
           metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
-          reports.put(("done", worker_id, group.request.group_id, metas, group.seconds))
+          reports.put(GroupDone(worker_id, group.request.group_id, tuple(metas), group.seconds))
         if time.perf_counter() > deadline:
           break
     if rollout is not None:
       rollout.close()
   except Exception:  # reported, then the process exits non-zero
-    reports.put(("error", worker_id, traceback.format_exc()))
+    reports.put(WorkerError(worker_id, traceback.format_exc()))
     raise
