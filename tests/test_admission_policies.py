@@ -1,4 +1,5 @@
 """Admission policies on random specs and finish orders (hypothesis) and crafted cases."""
+import collections
 import itertools
 import random
 
@@ -13,18 +14,25 @@ from knittrans_jax.admission import GroupInfo, InfeasibleSpecError, TrainBatchSp
 def run(policy, finishes, dispatch_all=True, version_of=lambda i: 0, check=None):
   """Feeds finished groups one at a time; admits until None after each.
 
-  Returns [(event index, MiniBatch)]. `check(policy, result)` sees every admit call.
+  Returns [(event index, MiniBatch)]. `check(policy, result, pool)` sees every admit
+  call, with the finished groups neither admitted nor dropped (tracked here, from what
+  the policy returns, not read from it).
   """
   if dispatch_all:
     for s in {grp.source for grp in finishes}:
       policy.dispatched(s, sum(grp.source == s for grp in finishes))
-  out = []
+  out, pool = [], {}
   for i, grp in enumerate(finishes):
-    policy.finished(grp)
+    if not policy.finished(grp):
+      pool[grp.group_id] = grp
     while True:
       mb = policy.admit(version_of(i))
+      for gone, _ in policy.take_dropped():
+        del pool[gone.group_id]
+      for chosen in (mb.groups if mb else ()):
+        del pool[chosen.group_id]
       if check:
-        check(policy, mb)
+        check(policy, mb, list(pool.values()))
       if mb is None:
         break
       out.append((i, mb))
@@ -130,13 +138,13 @@ def test_token_budget_always_respected(work):
     check_batches(spec, run(make_policy(name, spec), groups), groups)
 
 
-def admissible_sets(policy):
+def admissible_sets(policy, pool):
   """Brute force: every admissible g-subset of the pool right now."""
   spec, g = policy.spec, policy.g
   needed = policy.needed()
   slots = spec.num_mini_batches - policy.index
   found = []
-  for subset in itertools.combinations(policy.pool_groups(), g):
+  for subset in itertools.combinations(pool, g):
     counts = {}
     for grp in subset:
       counts[grp.source] = counts.get(grp.source, 0) + 1
@@ -147,7 +155,7 @@ def admissible_sets(policy):
       continue
     if needed is None:  # the later mini-batches' minimums stay available
       pool = {}
-      for grp in policy.pool_groups():
+      for grp in pool:
         pool[grp.source] = pool.get(grp.source, 0) + 1
       if any(pool.get(s, 0) - counts.get(s, 0) < (slots - 1) * spec.bounds(s)[0]
              for s in spec.mini_batch_bounds or ()):
@@ -175,9 +183,11 @@ def test_eager_admits_whenever_brute_force_finds_a_set(work):
   if not small:
     return
 
-  def check(policy, mb):
+  def check(policy, mb, pool):
+    assert sorted(policy.pool_counts().items()) == sorted(
+        collections.Counter(grp.source for grp in pool).items())
     if mb is None:
-      assert admissible_sets(policy) == [], "returned None while an admissible set existed"
+      assert admissible_sets(policy, pool) == [], "returned None while an admissible set existed"
 
   run(make_policy("constraint_preserving", spec), groups, check=check)
 

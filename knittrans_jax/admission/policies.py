@@ -128,10 +128,6 @@ class AdmissionPolicy:
     self._needed = None if needed is None or self._fresh_needs() is None else dict(needed)
 
   # ---- views --------------------------------------------------------------
-  def pool_groups(self) -> list[GroupInfo]:
-    """Finished groups not yet admitted (nor dropped)."""
-    return [grp for v in self._pool.values() for grp in v]
-
   def pool_counts(self) -> dict[str, int]:
     return {s: len(v) for s, v in self._pool.items() if v}
 
