@@ -14,15 +14,25 @@ time from that step to the last (metrics.jsonl's time_s: compilation and start-u
 outside it); time to the first step; for Ray also `startup_s`, the seconds before the
 train loop (ray.init and the trainer actors' set-up: ray_wall_s - wall_s).
 
+CPU over the same steady state (`cpu`): every thread of every process of the run (the
+train.py process and its descendants: on Ray the GCS, the raylet, the dashboard's
+processes, the log monitor, the workers and actors), /proc/PID/task/TID/stat read when
+step `--warmup` appears in metrics.jsonl and again at the last step. On Ray each
+thread is ours or Ray's runtime (`ray_thread_owner`): `ray.runtime_cpu_s` is Ray's,
+`ray.runtime_cpu_share` that over all the run's CPU-seconds. Python threads are told
+apart through scripts/thread_names (each names its target's module in a registry).
+
 Then one more Ray run on configs/text_grpo_test.gin measures liveness: a rollout
 actor SIGKILLed after step 1 (`detect_dead_worker_s`: from the kill to the driver's
 line that it died, read from its output as it comes) and another SIGSTOPped after
 step 2 (`detect_hung_worker_s`, with RayConfig.call_deadline_s = `--deadline_s`: a
 hang is caught by its call's deadline, so this is about the deadline plus the kill).
+`--no_liveness` leaves it out.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import re
@@ -36,21 +46,182 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from knittrans_jax.job.metrics import read_metrics  # noqa: E402
+
 RAY = ["JobConfig.cluster = 'ray'", "RayConfig.node_address = '127.0.0.2'"]
+THREAD_NAMES = os.path.join(ROOT, "scripts", "thread_names")
+TICK = os.sysconf("SC_CLK_TCK")
+CPU_METHOD = ("utime+stime of /proc/PID/stat and /proc/PID/task/TID/stat for every process "
+              "and thread under train.py, read at step `warmup` and at the last step; Ray's: "
+              "processes other than the driver and the actors of logs/actors.log (GCS, "
+              "raylet, dashboard, agents, log monitor, idle workers), and in the driver and "
+              "actors the threads Ray started (Python threads by their target's module, "
+              "native ones by /proc comm); main threads, unnamed native threads and exited "
+              "threads of the driver and actors count as ours")
+# Native threads of ours (XLA, LLVM, Eigen) by their /proc comm; any other named native
+# thread in the driver or an actor is Ray's core worker (worker.io, client.poll0, ...).
+OUR_NATIVE = re.compile(r"tf_|llvm-worker|XLA|xla|pjrt|jax|Eigen|gloo")
 
 
-def train(workdir: str, gin_file: str, bindings: list[str], on_line=None, on_step=None):
-  """Runs scripts/train.py; returns (summary, records, seconds to the first step)."""
+def _stat(path: str) -> tuple[str, int, float]:
+  """(comm, ppid, CPU-seconds: utime + stime) of a /proc stat file."""
+  with open(path) as f:
+    text = f.read()
+  head, rest = text.rsplit(")", 1)
+  fields = rest.split()  # fields[0] is the state (field 3 of proc(5))
+  return head.split("(", 1)[1], int(fields[1]), (int(fields[11]) + int(fields[12])) / TICK
+
+
+def process_tree(root: int) -> list[int]:
+  children = collections.defaultdict(list)
+  for entry in os.listdir("/proc"):
+    if entry.isdigit():
+      try:
+        children[_stat(f"/proc/{entry}/stat")[1]].append(int(entry))
+      except (OSError, ValueError):
+        continue  # gone since the listing
+  tree, todo = [], [root]
+  while todo:
+    pid = todo.pop()
+    tree.append(pid)
+    todo += children.get(pid, [])
+  return tree
+
+
+def process_name(pid: int, root: int) -> str:
+  """driver (train.py), a Ray worker's title (its actor's class, idle_worker for a
+  worker with none), or the program or script it runs."""
+  if pid == root:
+    return "driver"
+  with open(f"/proc/{pid}/cmdline") as f:
+    argv = [a for a in f.read().split("\0") if a]
+  if argv and argv[0].startswith("ray::"):  # a Ray worker: its title, ray::Class[.method]
+    title = argv[0][5:].split()[0].split(".")[0]
+    return "idle_worker" if title == "IDLE" else title
+  scripts = [a for a in argv[1:] if a.endswith(".py")]
+  name = os.path.basename(scripts[0]) if scripts else os.path.basename(argv[0]) if argv else "?"
+  if name in ("main.py", "agent.py"):  # runtime_env/agent/main.py, dashboard/agent.py
+    name = os.path.basename(os.path.dirname(scripts[0])) + "/" + name
+  return name
+
+
+def cpu_sample(root: int) -> dict:
+  """{(pid, tid): (process name, thread comm, CPU-seconds)} over the tree under root; tid
+  0: the process's own total (/proc/PID/stat, which counts its exited threads too)."""
+  out = {}
+  for pid in process_tree(root):
+    try:
+      name = process_name(pid, root)
+      out[(pid, 0)] = (name, "", _stat(f"/proc/{pid}/stat")[2])
+      tids = os.listdir(f"/proc/{pid}/task")
+    except (OSError, IndexError, ValueError):
+      continue
+    for tid in tids:
+      try:
+        comm, _, cpu = _stat(f"/proc/{pid}/task/{tid}/stat")
+      except (OSError, ValueError):
+        continue
+      out[(pid, int(tid))] = (name, comm, cpu)
+  return out
+
+
+def thread_registry(log_dir: str) -> dict:
+  """{(pid, tid): (thread name, target's module, starter's module)} from thread_names."""
+  out = {}
+  for fname in os.listdir(log_dir):
+    with open(os.path.join(log_dir, fname)) as f:
+      for line in f:
+        parts = line.rstrip("\n").split("\t")
+        if len(parts) == 4:
+          out[(int(fname.split(".")[0]), int(parts[0]))] = tuple(parts[1:])
+  return out
+
+
+def our_actors(workdir: str) -> set[int]:
+  """The pids of the run's actors, as each wrote them on starting (ray_setup.record_start:
+  logs/actors.log, 'ROLE PID ADDRESS' a line): Ray's own agents have Ray titles too."""
+  try:
+    with open(os.path.join(workdir, "logs", "actors.log")) as f:
+      return {int(line.split()[1]) for line in f if line.strip()}
+  except FileNotFoundError:
+    return set()
+
+
+def ray_thread_owner(pid: int, tid: int, comm: str, ours: set[int], registry: dict) -> str:
+  """'ray' or 'ours' for one thread of a Ray run; ours: the driver's and actors' pids."""
+  if pid not in ours:
+    return "ray"  # a daemon (gcs_server, raylet, dashboard, agents), an idle worker
+  if tid == pid:
+    return "ours"  # the driver's loop, a sync actor's methods (Ray's calls into them too)
+  if (pid, tid) in registry:
+    _, module, starter = registry[(pid, tid)]
+    return "ray" if module.startswith("ray") or starter.startswith("ray") else "ours"
+  if OUR_NATIVE.match(comm) or comm.startswith(("python", "ray::")):
+    return "ours"  # XLA's, or unnamed (its owner unknown: counted as ours)
+  return "ray"
+
+
+def cpu_split(start: dict, end: dict, registry: dict, ours: set[int] | None) -> dict:
+  """CPU-seconds between two cpu_samples: in all, by process, by thread (the 12 most),
+  and on a Ray run (`ours`: the driver's and the actors' pids) Ray's runtime by process
+  and by thread. Threads that exited in
+  between are a process's total less its live threads ('(exited threads)', owner
+  unknown: ours in the driver and actors); a process gone by `end` is not counted
+  (`processes_gone`)."""
+  total, by_process, by_thread = 0.0, collections.Counter(), collections.Counter()
+  ray_by_process, ray_threads = collections.Counter(), collections.Counter()
+  exited = collections.Counter()
+  for (pid, tid), (process, comm, cpu) in end.items():
+    seconds = cpu - start.get((pid, tid), (None, None, 0.0))[2]
+    if process == "?":  # its cmdline read empty (being retitled): the name it had before
+      process = start.get((pid, 0), (process,))[0]
+    if tid == 0:
+      total += seconds
+      by_process[process] += seconds
+      exited[(pid, process)] += seconds
+      continue
+    exited[(pid, process)] -= seconds
+    if (pid, tid) in registry:  # a Python thread: its name and its target's module
+      thread = "{} [{}]".format(*registry[(pid, tid)][:2])
+    else:
+      thread = "main" if pid == tid else comm
+    by_thread[f"{process}/{thread}"] += seconds
+    if ours is not None and ray_thread_owner(pid, tid, comm, ours, registry) == "ray":
+      ray_by_process[process] += seconds
+      ray_threads[f"{process}/{thread}"] += seconds
+  for (pid, process), seconds in exited.items():
+    by_thread[f"{process}/(exited threads)"] += seconds
+    if ours is not None and pid not in ours:
+      ray_by_process[process] += seconds
+      ray_threads[f"{process}/(exited threads)"] += seconds
+  r = lambda c: {k: round(v, 2) for k, v in c.most_common(12) if v >= 0.005}  # noqa: E731
+  out = dict(total_s=total, by_process=r(by_process), by_thread=r(by_thread),
+             processes_gone=sum(1 for (pid, tid) in start if tid == 0 and (pid, 0) not in end))
+  if ours is not None:
+    runtime = sum(ray_by_process.values())
+    out.update(ray_runtime_s=runtime, ray_runtime_share=runtime / total if total else None,
+               ray_runtime_by_process=r(ray_by_process), ray_runtime_by_thread=r(ray_threads))
+  return out
+
+
+def train(workdir: str, gin_file: str, bindings: list[str], on_line=None, on_step=None,
+          cpu_from_step: int | None = None):
+  """Runs scripts/train.py; returns (summary, records, seconds to the first step, the
+  CPU split from step `cpu_from_step` to the last, or None)."""
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), "--gin_file", gin_file,
          "--workdir", workdir, "--overwrite"]
   for b in bindings:
     cmd += ["--gin_bindings", b]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+  threads_dir = tempfile.mkdtemp(prefix="threads_", dir=os.path.dirname(workdir))
+  path = os.pathsep.join(p for p in (THREAD_NAMES, os.environ.get("PYTHONPATH")) if p)
+  env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": path,
+         "KNITTRANS_THREAD_LOG": threads_dir}
   env.pop("XLA_FLAGS", None)  # one CPU device, local and on Ray alike
   t0 = time.monotonic()
   proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True)
-  tail, first = [], []
+  tail, first, samples = [], [], {}
 
   def read():
     for line in proc.stdout:
@@ -60,25 +231,35 @@ def train(workdir: str, gin_file: str, bindings: list[str], on_line=None, on_ste
         on_line(line)
   reader = threading.Thread(target=read, daemon=True)
   reader.start()
-  metrics, done_steps = os.path.join(workdir, "metrics.jsonl"), 0
+  done_steps = 0
   while proc.poll() is None:
-    if os.path.exists(metrics):
-      with open(metrics) as f:
-        steps = sum(1 for line in f if line.strip())
-      if steps and not first:
-        first.append(time.monotonic() - t0)
-      if on_step and steps > done_steps:
+    steps = len(read_metrics(workdir, partial=True))
+    if steps and not first:
+      first.append(time.monotonic() - t0)
+    if steps > done_steps:
+      if cpu_from_step is not None and steps >= cpu_from_step:
+        sample = (steps, cpu_sample(proc.pid))  # the window: the first and the latest
+        samples["end" if "start" in samples else "start"] = sample
+      if on_step:
         on_step(steps)
-      done_steps = steps
+    done_steps = steps
     time.sleep(0.05)
   reader.join(timeout=10)
   if proc.returncode:
     raise RuntimeError(f"{' '.join(cmd)} failed:\n{''.join(tail)[-4000:]}")
   with open(os.path.join(workdir, "summary.json")) as f:
     summary = json.load(f)
-  with open(metrics) as f:
-    records = [json.loads(line) for line in f if line.strip()]
-  return summary, records, first[0] if first else None
+  records = read_metrics(workdir)
+  cpu = None
+  if "end" in samples:
+    ours = None  # a local run: every process is ours
+    if "JobConfig.cluster = 'ray'" in bindings:
+      ours = our_actors(workdir) | {proc.pid}
+    cpu = cpu_split(samples["start"][1], samples["end"][1], thread_registry(threads_dir), ours)
+    cpu["steps"] = [samples["start"][0], samples["end"][0]]
+    cpu["trajectories"] = sum(r["trajectories"] for r in records[cpu["steps"][0]:cpu["steps"][1]])
+  shutil.rmtree(threads_dir, ignore_errors=True)
+  return summary, records, first[0] if first else None, cpu
 
 
 def steady(records: list[dict], warmup: int) -> float:
@@ -110,7 +291,7 @@ def liveness(work: str, deadline_s: float) -> dict:
     if re.search(r"rollout actor 1 hung", line):
       events.setdefault("hung", time.monotonic())
   try:
-    summary, _, _ = train(work, "configs/text_grpo_test.gin", [
+    summary, _, _, _ = train(work, "configs/text_grpo_test.gin", [
         *RAY, "JobConfig.groups_per_call = 1", "JobConfig.window = 8",
         f"RayConfig.call_deadline_s = {deadline_s}"], on_line=on_line, on_step=on_step)
   finally:
@@ -125,6 +306,33 @@ def liveness(work: str, deadline_s: float) -> dict:
               liveness_run_worker_restarts=summary["worker_restarts"])
 
 
+def table(out: dict) -> str:
+  local, ray = out["local"], out["ray"]
+  f = lambda v, fmt="{:.2f}": "-" if v is None else fmt.format(v)  # noqa: E731
+  rows = [("steady-state trajectories/s (median)", f(local["traj_per_s"], "{:.1f}"),
+           f(ray["traj_per_s"], "{:.1f}")),
+          ("Ray / local trajectories/s", "", f(out["ray_over_local_traj_per_s"])),
+          ("seconds to the first step", f(local["first_step_s"], "{:.1f}"),
+           f(ray["first_step_s"], "{:.1f}")),
+          ("startup_s (ray.init, trainer set-up)", "-", f(ray["startup_s"], "{:.1f}")),
+          ("CPU-s in the steady state, all processes", f(local["cpu_s"]), f(ray["cpu_s"])),
+          ("CPU-ms per trajectory", f(local["cpu_ms_per_traj"]), f(ray["cpu_ms_per_traj"])),
+          ("runtime_cpu_s: Ray's own processes and threads", "-", f(ray["runtime_cpu_s"])),
+          ("runtime_cpu_share: of all the run's CPU", "-", f(ray["runtime_cpu_share"], "{:.3f}"))]
+  if "detect_dead_worker_s" in ray:
+    rows += [("detect_dead_worker_s", "-", f(ray["detect_dead_worker_s"])),
+             ("detect_hung_worker_s", "-", f(ray["detect_hung_worker_s"]))]
+  width = max(len(r[0]) for r in rows)
+  lines = [f"{'':{width}}  {'local':>8}  {'ray':>8}"]
+  lines += [f"{a:{width}}  {b:>8}  {c:>8}" for a, b, c in rows]
+  return "\n".join(lines + [f"CPU measured as: {out['ray']['runtime_cpu_measured']}"])
+
+
+def median(values):
+  values = [v for v in values if v is not None]
+  return statistics.median(values) if values else None
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--json", default="runs/bench_cluster.json")
@@ -133,40 +341,57 @@ def main():
   parser.add_argument("--warmup", type=int, default=3, help="steps left out of the steady state")
   parser.add_argument("--repeats", type=int, default=2)
   parser.add_argument("--deadline_s", type=float, default=5.0)
+  parser.add_argument("--no_liveness", action="store_true", help="no liveness run")
   args = parser.parse_args()
+  if args.warmup < 1:
+    parser.error(f"--warmup {args.warmup}: the steady state starts after a step (>= 1)")
+  load_at_start = list(os.getloadavg())  # the machine is shared: how busy it was
   tmp = tempfile.mkdtemp(prefix="bench_cluster_")
-  # No held-out evaluation: it runs in a local trainer process only, and is not the system.
+  # No held-out evaluation: its time is on the loop's path, not the system's throughput.
   bindings = [f"JobConfig.train_batches = {args.train_batches}", "EvalConfig.every_steps = 0"]
   runs = {"local": [], "ray": []}
   try:
     for k in range(args.repeats):
       for name in ("local", "ray"):
         work = os.path.join(tmp, f"{name}{k}")
-        summary, records, first = train(work, args.gin_file,
-                                        bindings + (RAY if name == "ray" else []))
+        summary, records, first, cpu = train(work, args.gin_file,
+                                             bindings + (RAY if name == "ray" else []),
+                                             cpu_from_step=args.warmup)
         run = dict(traj_per_s=steady(records, args.warmup), first_step_s=first,
-                   wall_s=summary["wall_s"], steps=summary["steps"])
+                   wall_s=summary["wall_s"], steps=summary["steps"], cpu=cpu)
         if name == "ray":
           run["startup_s"] = summary["ray_wall_s"] - summary["wall_s"]
         runs[name].append(run)
-        print(f"{name} run {k}: {run}", flush=True)
-    live = liveness(os.path.join(tmp, "liveness"), args.deadline_s)
+        print(f"{name} run {k}: " + json.dumps({k: v for k, v in run.items() if k != "cpu"}),
+              flush=True)
+        if cpu:
+          print(f"  cpu: {json.dumps(cpu)}", flush=True)
+    live = {} if args.no_liveness else liveness(os.path.join(tmp, "liveness"), args.deadline_s)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
-  med = lambda name, key: statistics.median(r[key] for r in runs[name])  # noqa: E731
+  med = lambda name, key: median(r[key] for r in runs[name])  # noqa: E731
+  cpu = lambda name, key: median((r["cpu"] or {}).get(key) for r in runs[name])  # noqa: E731
+  per_traj = lambda name: median(  # noqa: E731
+      1e3 * r["cpu"]["total_s"] / r["cpu"]["trajectories"] for r in runs[name] if r["cpu"])
   out = {
       "config": dict(gin_file=args.gin_file, train_batches=args.train_batches,
-                     warmup_steps=args.warmup, repeats=args.repeats, cpus=os.cpu_count()),
+                     warmup_steps=args.warmup, repeats=args.repeats, cpus=os.cpu_count(),
+                     load_average_at_start=load_at_start),
       "local": dict(traj_per_s=med("local", "traj_per_s"),
-                    first_step_s=med("local", "first_step_s"), runs=runs["local"]),
+                    first_step_s=med("local", "first_step_s"), cpu_s=cpu("local", "total_s"),
+                    cpu_ms_per_traj=per_traj("local"), runs=runs["local"]),
       "ray": dict(traj_per_s=med("ray", "traj_per_s"), first_step_s=med("ray", "first_step_s"),
-                  startup_s=med("ray", "startup_s"), runs=runs["ray"], **live),
+                  startup_s=med("ray", "startup_s"), cpu_s=cpu("ray", "total_s"),
+                  cpu_ms_per_traj=per_traj("ray"), runtime_cpu_s=cpu("ray", "ray_runtime_s"),
+                  runtime_cpu_share=cpu("ray", "ray_runtime_share"),
+                  runtime_cpu_measured=CPU_METHOD, runs=runs["ray"], **live),
   }
   out["ray_over_local_traj_per_s"] = out["ray"]["traj_per_s"] / out["local"]["traj_per_s"]
+  out["config"]["load_average_at_end"] = list(os.getloadavg())
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=2)
-  print(json.dumps({k: v for k, v in out.items() if k != "config"}, indent=1, default=str))
+  print(table(out))
   print(f"wrote {args.json}")
 
 

@@ -35,7 +35,7 @@ def test_process_setup_errors():
 
 @pytest.fixture(scope="module")
 def two_process_run(local_ray, tmp_path_factory):
-  from knittrans_jax.job.run import run as run_job
+  from knittrans_jax.launch import run as run_job
   run = tmp_path_factory.mktemp("dist") / "run"
   # 2 trainer actors x 4 CPU devices, FSDP over all 8 (parameters split across the
   # processes, so each publishes only its shards), 2 rollout actors.
@@ -43,7 +43,9 @@ def two_process_run(local_ray, tmp_path_factory):
       gin_file=["configs/text_grpo_test.gin", "configs/mesh/fsdp.gin"], workdir=str(run),
       gin_bindings=["JobConfig.train_batches = 2", "JobConfig.cluster = 'ray'",
                     "RayConfig.trainers = 2", "RayConfig.devices_per_trainer = 4",
-                    "RayConfig.trainer_strategy = 'PACK'"]))
+                    "RayConfig.trainer_strategy = 'PACK'",
+                    # Held-out evaluation in the driver, on the weights the actors publish.
+                    "EvalConfig.every_steps = 2", "EvalConfig.prompts_per_source = 2"]))
   killed = []
 
   def kill_trainer1():  # once step 3 is recorded: steps 1-2 are in the step-2 checkpoint
@@ -100,6 +102,16 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
   # Non-zero gradients: the parameters moved, so equality is not the trivial one.
   assert max(r["grad_norm"] for r in records) > 1e-2
 
+  # Held-out evaluation ran on Ray (in the driver, on the published weights of both
+  # processes' shards): at steps 2 and 4, and what it reported at step 4 is the
+  # evaluation of the run's final parameters, evaluated again here.
+  from knittrans_jax.job.config import JobConfig
+  from knittrans_jax.job.setup import job_setup, make_evaluator
+  assert [r["step"] for r in records if r.get("eval")] == [2, 4]
+  assert summary["eval_start"] is not None and summary["eval_train_overlap"] == 0
+  evaluator = make_evaluator(job_setup(JobConfig()), job.trainer.fns.graphdef)
+  assert evaluator(jax.device_get(state.params), 4) == summary["eval_last"]
+
 
 @pytest.mark.slow
 def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp_path):
@@ -136,3 +148,51 @@ def test_overwrite_and_resume_exclude_each_other(tmp_path):
   out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert out.returncode == 2 and "exclude each other" in out.stderr
   assert (tmp_path / "keep").exists()  # nothing was deleted
+
+
+def _bench_cluster():
+  import importlib.util
+  spec = importlib.util.spec_from_file_location(
+      "bench_cluster", os.path.join(ROOT, "scripts", "bench_cluster.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_bench_cluster_cpu_split_attributes_threads():
+  """bench_cluster's split of two /proc samples: Ray's daemons, Ray's threads in our
+  processes (named native ones, Python ones started by Ray), ours (main threads, XLA's,
+  Python threads of our modules) and threads that exited in between (a process's total
+  less its live threads)."""
+  bench = _bench_cluster()
+  driver, actor, gcs = 100, 200, 300
+  start = {(driver, 0): ("driver", "", 10.0), (driver, driver): ("driver", "python", 8.0),
+           (driver, 101): ("driver", "worker.io", 1.0),
+           (actor, 0): ("RolloutActor", "", 5.0), (actor, actor): ("RolloutActor", "ray::Ro", 1.0),
+           (actor, 201): ("RolloutActor", "tf_XLAEigen", 2.0),
+           (actor, 202): ("RolloutActor", "ray::IDLE", 1.0),
+           (actor, 203): ("RolloutActor", "ray::IDLE", 1.0),
+           (gcs, 0): ("gcs_server", "", 1.0), (gcs, gcs): ("gcs_server", "gcs_server", 1.0)}
+  end = {(driver, 0): ("driver", "", 14.0), (driver, driver): ("driver", "python", 10.0),
+         (driver, 101): ("driver", "worker.io", 1.5),
+         (actor, 0): ("RolloutActor", "", 12.0), (actor, actor): ("RolloutActor", "ray::Ro", 1.5),
+         (actor, 201): ("RolloutActor", "tf_XLAEigen", 5.0),
+         (actor, 202): ("RolloutActor", "ray::IDLE", 2.0),
+         (actor, 203): ("RolloutActor", "ray::IDLE", 2.5),
+         (gcs, 0): ("gcs_server", "", 1.75), (gcs, gcs): ("gcs_server", "gcs_server", 1.75)}
+  registry = {(actor, 202): ("AsyncIO Thread: default", "ray._raylet", "?"),
+              (actor, 203): ("Thread-1 (_run)", "knittrans_jax.cluster.rollout_actors",
+                             "knittrans_jax.cluster.rollout_actors")}
+  split = bench.cpu_split(start, end, registry, ours={driver, actor})
+  assert split["total_s"] == pytest.approx(4.0 + 7.0 + 0.75)
+  # Ray's: the GCS, the driver's worker.io, the actor's asyncio thread.
+  assert split["ray_runtime_s"] == pytest.approx(0.75 + 0.5 + 1.0)
+  assert split["ray_runtime_share"] == pytest.approx(2.25 / 11.75)
+  assert split["ray_runtime_by_process"] == {"RolloutActor": 1.0, "gcs_server": 0.75,
+                                             "driver": 0.5}
+  # The driver's 4 CPU-s: its main thread 2, worker.io 0.5, 1.5 in threads that exited.
+  assert split["by_thread"]["driver/(exited threads)"] == 1.5
+  assert split["by_thread"]["RolloutActor/Thread-1 (_run) [knittrans_jax.cluster.rollout_actors]"] \
+      == 1.5
+  local = bench.cpu_split(start, end, registry, ours=None)  # a local run: no Ray
+  assert "ray_runtime_s" not in local and local["total_s"] == split["total_s"]

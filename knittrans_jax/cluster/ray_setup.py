@@ -19,6 +19,15 @@ import gin
 # after 3 misses in a row, about 4-7 s in all (Ray's default is about a minute).
 HEALTH_CHECK = dict(health_check_period_ms=1000, health_check_timeout_ms=1000,
                     health_check_failure_threshold=3)
+# Ray's machinery the job does not use, off in a local cluster started here (measured:
+# scripts/bench_cluster.py's ray.runtime_cpu_s, docs/distributed.md): no idle workers
+# started ahead of need (each actor gets a process of its own as it is created), no
+# metrics recorded for an exporter nobody reads (no dashboard), no task events sent to
+# the GCS for the state API. The dashboard is off too (include_dashboard=False; Ray
+# still runs its API server and agents, and the log monitor, which ray.init cannot
+# turn off).
+LEAN = dict(enable_worker_prestart=False, prestart_worker_first_driver=False,
+            enable_metrics_collection=False, task_events_report_interval_ms=0)
 
 
 @gin.configurable
@@ -156,7 +165,7 @@ def connect(cfg: RayConfig, workdir: str, log=print) -> bool:
     os.environ["RAY_AUTH_TOKEN_PATH"] = os.path.abspath(token)
     ncpu = cfg.num_cpus or max(os.cpu_count() or 1, 16)  # logical CPUs: placement, not cores
     ray.init(num_cpus=ncpu, include_dashboard=False, _node_ip_address=cfg.node_address,
-             _system_config=HEALTH_CHECK, log_to_driver=True,
+             _system_config={**HEALTH_CHECK, **LEAN}, log_to_driver=True,
              runtime_env={"env_vars": actor_env(cfg)})
     log(f"started a local Ray cluster at {ray.get_runtime_context().gcs_address} "
         f"(token in {token})")
