@@ -171,6 +171,8 @@ COVER: dict[str, Cover] = {
               why="check mode connects to nothing and writes nothing: no substitution"),
     "python scripts/bench_cluster.py --json runs/bench_cluster.json --train_batches 16 "
     "--repeats 4": Cover("parse"),
+    "python scripts/bench_cluster.py --json runs/bench_cluster.json --train_batches 4 "
+    "--repeats 2 --no_liveness": Cover("parse"),
     # docs/learning.md
     ".venv/bin/python scripts/bench_throughput.py --gin_file configs/text_grpo_rollout_bound.gin "
     "--config \"train_batch W=2G: JobConfig.policy = 'train_batch'; JobConfig.window = 32\" "
