@@ -70,12 +70,12 @@ class Run:
   """The job's loop without JAX: one mini-batch admitted ahead of the step."""
 
   def __init__(self, sp, pool, state=None, policy="constraint_preserving", window=None,
-               colocated=False, clock=None, version=0):
+               synchronous=False, clock=None, version=0):
     self.spec, self.pool, self.version = sp, pool, version
     self.policy = make_policy(policy, sp)
     self.ctl = Controller(sp, self.policy, Shuffled(sp, SOURCES, np.random.default_rng(0)),
                           pool, state or ControllerState(),
-                          window=window or 2 * sp.groups_per_batch, synchronous=colocated,
+                          window=window or 2 * sp.groups_per_batch, synchronous=synchronous,
                           stall_timeout_s=10.0, **({"clock": clock} if clock else {}))
     pool.version = lambda: self.version
     self.trained = []  # (version, mini-batch)
@@ -236,7 +236,7 @@ def test_groups_committed_after_the_checkpoint_are_adopted_and_lost_ones_replace
 def test_colocated_replaces_dropped_groups_and_finishes():
   sp = spec(drop_zero_signal=True)
   zero = lambda gid: [1.0, 1.0] if gid % 4 == 1 else [0.0, 1.0]  # noqa: E731
-  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", colocated=True)
+  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", synchronous=True)
   run.loop(target=9, max_iters=200)
   check_batches(run.trained, sp)
   assert run.ctl.state.retired["zero_signal"] > 0
@@ -319,13 +319,13 @@ def test_colocated_resume_regenerates_the_batch_begun_after_the_checkpoint():
   generated again, so the window empties and every later batch is dispatched."""
   sp = spec(drop_zero_signal=True)
   zero = lambda gid: [1.0, 1.0] if gid % 7 == 3 else [0.0, 1.0]  # noqa: E731
-  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", colocated=True)
+  run = Run(sp, FakePool(reward=zero, per_poll=100), policy="train_batch", synchronous=True)
   run.loop(target=3, checkpoint_every=3)
   v, progress = run.checkpoints[-1]
   run.loop(target=4)  # batch 1 generated (with a drop and its replacement), one step
   committed = max(m.group_id for rows in run.pool.rows.values() for m in rows)
   again = Run(sp, run.pool, state=ControllerState.from_json(progress), policy="train_batch",
-              colocated=True, version=v)
+              synchronous=True, version=v)
   assert again.ctl.resume(list(run.pool.rows), run.pool.list_unit) == 0
   assert again.ctl.state.next_group == committed + 1 and not again.ctl.state.window
   again.loop(target=9, max_iters=300)

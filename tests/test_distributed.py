@@ -20,6 +20,7 @@ import pytest
 
 from knittrans_jax import gin_cli
 from knittrans_jax.job.distributed import ProcessSetup, initialize
+from knittrans_jax.job.metrics import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -51,8 +52,7 @@ def two_process_run(local_ray, tmp_path_factory):
   def kill_trainer1():  # once step 3 is recorded: steps 1-2 are in the step-2 checkpoint
     deadline = time.time() + 300
     while time.time() < deadline:
-      metrics = run / "metrics.jsonl"
-      if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+      if len(read_metrics(str(run), partial=True)) >= 3:
         killed.append(int((run / "logs" / "trainer1.pid").read_text()))
         os.kill(killed[0], signal.SIGKILL)
         return
@@ -72,7 +72,7 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
   run = two_process_run
   summary = json.loads((run / "summary.json").read_text())
   assert summary["steps"] == 4 and summary["quota_violations"] == 0
-  records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  records = read_metrics(str(run))
   trained = [i for r in records for i in r["ids"]]
   # As an uninterrupted run: every mini-batch of both train batches once, in order
   # (the killed run's step 3 was rolled back with its checkpoint and trained again).

@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.storage import TrajectoryStore
 
 pytestmark = pytest.mark.slow
@@ -30,21 +31,13 @@ def finish(proc, timeout=600):
   return out
 
 
-def records(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    return [json.loads(line) for line in f if line.strip()]
-
-
 def wait_for_steps(workdir, steps, proc, timeout=300):
   deadline = time.time() + timeout
   while time.time() < deadline:
     if proc.poll() is not None:
       pytest.fail(f"the job ended early:\n{proc.stdout.read()[-3000:]}")
-    try:
-      if len(records(workdir)) >= steps:
-        return
-    except (FileNotFoundError, json.JSONDecodeError):
-      pass
+    if len(read_metrics(str(workdir), partial=True)) >= steps:
+      return
     time.sleep(0.2)
   pytest.fail(f"fewer than {steps} steps after {timeout} s")
 
@@ -58,7 +51,7 @@ def figures_runs():
 
 def check_trained(workdir, expected_steps):
   summary = json.load(open(os.path.join(workdir, "summary.json")))
-  recs = records(workdir)
+  recs = read_metrics(str(workdir))
   ids = [i for r in recs for i in r["ids"]]
   assert summary["steps"] == expected_steps == len(recs)
   assert len(ids) == len(set(ids)), "a trajectory was trained twice"
@@ -163,7 +156,7 @@ def test_sigint_then_resume_trains_the_same_set(tmp_path):
   proc.send_signal(signal.SIGINT)
   out = finish(proc)
   assert "interrupted" in out
-  done = len(records(work))
+  done = len(read_metrics(str(work)))
   assert 3 <= done < 8
   finish(start(work, "JobConfig.mode = 'colocated'", "JobConfig.train_batches = 4", resume=True))
   _, recs = check_trained(work, 8)

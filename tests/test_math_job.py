@@ -11,6 +11,7 @@ import transformers
 from flax import nnx
 
 from hf_helpers import make_checkpoint, make_tokenizer, padded_batch, torch_logits
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.models import hf
 
 pytestmark = pytest.mark.slow
@@ -69,7 +70,7 @@ def test_grpo_on_math_from_a_checkpoint_then_export(tmp_path, checkpoint):
       "--gin_bindings", "JobConfig.train_batches = 2")
   summary = json.load(open(os.path.join(work, "summary.json")))
   assert summary["steps"] == 4 and summary["quota_violations"] == 0
-  recs = [json.loads(line) for line in open(os.path.join(work, "metrics.jsonl"))]
+  recs = read_metrics(str(work))
   rewards = [r["reward"] for r in recs]
   assert all(0.0 <= r <= 1.0 for r in rewards) and max(rewards) > 0, rewards
 

@@ -22,6 +22,7 @@ import time
 import pytest
 
 from knittrans_jax.cluster.ray_setup import HEALTH_CHECK, write_token
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.testing import netns
 
 OK, WHY = netns.available()
@@ -40,11 +41,6 @@ def placed(work):
     role, _, address = line.split()
     nodes.setdefault(role, []).append(address)
   return nodes
-
-
-def records(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
 
 
 def test_available_says_why_not(monkeypatch):
@@ -171,7 +167,7 @@ def ray_hosts_run(tmp_path_factory):
     cut = None
     deadline = time.monotonic() + 300
     while driver.poll() is None and time.monotonic() < deadline:
-      if cut is None and (work / "metrics.jsonl").exists() and records(work / "metrics.jsonl"):
+      if cut is None and read_metrics(str(work), partial=True):
         hosts.link_down("rollout1")
         cut = time.monotonic()
       time.sleep(0.05)
@@ -195,7 +191,7 @@ def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
   summary = json.loads((work / "summary.json").read_text())
   assert summary["cluster"] == "ray" and summary["steps"] == STEPS
   assert summary["quota_violations"] == 0
-  recs = records(work / "metrics.jsonl")
+  recs = read_metrics(str(work))
   ids = [i for rec in recs for i in rec["ids"]]
   assert [rec["step"] for rec in recs] == list(range(1, STEPS + 1))
   assert len(ids) == len(set(ids)) == STEPS * ROWS, "a trajectory trained twice, or missing"

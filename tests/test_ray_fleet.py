@@ -9,7 +9,6 @@ A trainer actor killed (the group rebuilt and resumed) is tests/test_distributed
 run; the job across namespaced hosts, with a link cut, is tests/test_netns_hosts.py.
 """
 import argparse
-import json
 import os
 import signal
 import subprocess
@@ -19,10 +18,11 @@ import time
 import types
 
 import pytest
-from test_job import check_trained, records
+from test_job import check_trained
 
 from knittrans_jax import gin_cli
 from knittrans_jax.cluster import ray_setup
+from knittrans_jax.job.metrics import read_metrics
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
@@ -47,12 +47,9 @@ def after_steps(workdir, steps, action, timeout=240):
   def watch():
     deadline = time.time() + timeout
     while time.time() < deadline:
-      try:
-        if len(records(workdir)) >= steps:
-          action()
-          break
-      except (FileNotFoundError, json.JSONDecodeError):
-        pass
+      if len(read_metrics(str(workdir), partial=True)) >= steps:
+        action()
+        break
       time.sleep(0.05)
     done.set()
   threading.Thread(target=watch, daemon=True).start()

@@ -15,6 +15,7 @@ import pytest
 from flax import nnx
 
 from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.job.trainer import BatchLayout, OnDemand, Trainer
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.models import qwen_vl
@@ -55,7 +56,7 @@ def run(checkpoint, tmp_path_factory):
 @pytest.mark.slow
 def test_vlm_qwen_job_end_to_end(run):
   summary = json.load(open(run / "summary.json"))
-  recs = [json.loads(line) for line in open(run / "metrics.jsonl")]
+  recs = read_metrics(str(run))
   assert summary["steps"] == len(recs) == 4 and summary["quota_violations"] == 0
   ids = [i for r in recs for i in r["ids"]]
   store = TrajectoryStore.open(f"file://{run}/store")

@@ -50,7 +50,7 @@ class Controller:
                synchronous: bool = False, stall_timeout_s: float = 600.0,
                clock: Callable[[], float] = time.monotonic):
     self.spec, self.policy, self.pool, self.state = spec, policy, pool, state
-    self.stream = dispatch  # the order prompt sources start in (admission/dispatch.py)
+    self.dispatch_order = dispatch  # the order prompt sources start in (admission/dispatch.py)
     self.window, self.synchronous = window, synchronous
     self.stall_timeout_s, self.clock = stall_timeout_s, clock
     # Sources owed a replacement (dropped or failed groups); saved with the state.
@@ -105,14 +105,14 @@ class Controller:
     if self.synchronous:
       if not self.state.window and not self.replace:  # the last train batch is trained
         for _ in range(self.spec.groups_per_batch):
-          self._send(self.stream.next())
+          self._send(self.dispatch_order.next())
           sent += 1
       while self.replace:
         self._send(self.replace.popleft())
         sent += 1
       return sent
     while len(self.state.window) < self.window and self.pool.can_take():
-      self._send(self.replace.popleft() if self.replace else self.stream.next())
+      self._send(self.replace.popleft() if self.replace else self.dispatch_order.next())
       sent += 1
     return sent
 
@@ -154,7 +154,7 @@ class Controller:
     if seconds is None and sent is not None and not self.pool.timed_generation:
       seconds = self.clock() - sent
     if seconds is not None:
-      self.stream.observe(metas[0].source, seconds)
+      self.dispatch_order.observe(metas[0].source, seconds)
     dropped = self.policy.finished(GroupInfo.from_metas(metas))
     if not dropped:
       self._last_progress = self.clock()
@@ -182,7 +182,7 @@ class Controller:
 
   def progress(self) -> dict:
     """The durable state for a checkpoint (as of the last trained mini-batch)."""
-    self.state.stream = self.stream.state()
+    self.state.stream = self.dispatch_order.state()
     self.state.replace = list(self.replace)
     return self.state.to_json()
 
