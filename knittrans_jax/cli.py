@@ -37,6 +37,8 @@ CONFIGURABLE_MODULES = (
     "knittrans_jax.models.vit",
     "knittrans_jax.multimodal.encode_once",
     "knittrans_jax.rl.losses",
+    "knittrans_jax.rollout.agent_loop",
+    "knittrans_jax.rollout.agentic_tasks",
     "knittrans_jax.rollout.math_tasks",
     "knittrans_jax.rollout.qwen_vision_tasks",
     "knittrans_jax.rollout.sampler",

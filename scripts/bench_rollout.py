@@ -1,6 +1,22 @@
 """The rollout engines side by side: the same weights and requests on each.
 
   python scripts/bench_rollout.py --json runs/bench_rollout.json
+  python scripts/bench_rollout.py --workload agentic --json runs/bench_rollout_agentic.json
+  python scripts/bench_rollout.py --workload long_tails --json runs/bench_rollout_long.json
+
+Workloads (`--workload`): 'tails' (the default, below), 'long_tails'
+(configs/text_long_tails.gin: answers of 16 to 512 tokens; the same method as
+'tails') and 'agentic' (configs/agentic_tails.gin: multi-turn tool episodes on each
+engine's agent loop, rollout/agent_loop.py). The agentic run keeps `--in_flight`
+groups in the loop (a new one starts when one ends, as a worker with a full queue
+does) and times each group from its start to its last episode's end; it reports
+tokens/s (generated turn tokens over the wall time), the group times (p50/p90/p99,
+`p99_over_p50`), `busy_fraction` (the engine's share of the wall time in which it
+had turns to generate: whether a turn ever waits behind an environment or the loop),
+`engine_utilization` (its share of all the time episodes were in flight: low when
+every episode waits on its tool, too few in flight for the tools' latency) and the
+turns per episode. Each run is preceded by the same run on other prompts (the JAX
+engine compiles its padded shapes there).
 
 Workload: `--groups` groups of the config's sources (default configs/text_grpo_tails.gin,
 the long-tailed `chain_long` beside short sources, with DecoderConfig.heads = 2 so the
@@ -42,8 +58,13 @@ from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
 from knittrans_jax.rollout.engine import EngineSpec
 from knittrans_jax.rollout.engines import make_engine
-from knittrans_jax.rollout.groups import Suite, suite_sources
+from knittrans_jax.rollout.agent_loop import AgentConfig, FailedGroup
+from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
+from knittrans_jax.rollout.groups import AgentSource, Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
+
+WORKLOADS = {"tails": "configs/text_grpo_tails.gin", "long_tails": "configs/text_long_tails.gin",
+             "agentic": "configs/agentic_tails.gin"}
 
 
 def percentiles(xs) -> dict:
@@ -68,9 +89,18 @@ def timed_run(engine, reqs) -> dict:
   wall = time.perf_counter() - t0
   times = [t for t, _ in done.values()]
   tokens = sum(r.tokens.size for _, g in done.values() for r in g.responses)
+  pct = percentiles(times)
   return {"tokens_per_s": tokens / wall, "wall_s": wall, "response_tokens": tokens,
-          "first_group_s": min(times), "group_time_s": percentiles(times),
+          "first_group_s": min(times), "group_time_s": pct, "p99_over_p50": pct["p99"] / pct["p50"],
           "groups": len(done)}, [g for _, g in done.values()]
+
+
+def _vllm_options(name: str, max_len: int):
+  """vLLM's options with a context that holds the workload's longest sequence."""
+  if name != "vllm":
+    return None
+  from knittrans_jax.rollout.vllm_engine import VllmOptions
+  return VllmOptions(max_model_len=max_len)
 
 
 def trainer_logprob_diff(model, groups, temperature: float, length: int) -> float:
@@ -90,10 +120,48 @@ def trainer_logprob_diff(model, groups, temperature: float, length: int) -> floa
   return worst
 
 
+def agentic_run(engine, suite: Suite, sampler, seed: int, groups: int, n: int, sources,
+                in_flight: int, start: int = 0) -> dict:
+  """`groups` agentic groups through an agent loop over `engine`, `in_flight` at once."""
+  rng = np.random.default_rng(seed)
+  todo = [(g, str(rng.choice(sources))) for g in range(start, start + groups)]
+  loop = suite.agent_loop(engine, sampler)
+  times, turns, tokens, failed = [], [], 0, 0
+  t0 = time.perf_counter()
+  with tqdm(total=groups, desc="groups", unit="group", leave=False) as bar:
+    while todo or loop.busy:
+      while todo and len(loop.groups) < in_flight:
+        gid, source = todo.pop(0)
+        suite.start(loop, suite.task(seed, gid, source), seed, gid, n)
+      for g in loop.step():
+        bar.update(1)
+        if isinstance(g, FailedGroup):
+          failed += 1
+          continue
+        times.append(g.seconds)
+        turns += [len(ep.turns) for ep in g.episodes]
+        tokens += sum(t.tokens.size for ep in g.episodes for t in ep.turns)
+  wall = time.perf_counter() - t0
+  busy, utilization = loop.busy_fraction, loop.utilization
+  loop.close()
+  pct = percentiles(times)
+  return {"tokens_per_s": tokens / wall, "wall_s": wall, "response_tokens": tokens,
+          "group_time_s": pct, "p99_over_p50": pct["p99"] / pct["p50"], "busy_fraction": busy,
+          "engine_utilization": utilization,
+          "turns_per_episode": {"mean": float(np.mean(turns)), **percentiles(turns),
+                                "max": int(max(turns))},
+          "groups": len(times), "failed_groups": failed}
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   cli.add_flags(parser)
   parser.add_argument("--json", default="runs/bench_rollout.json")
+  parser.add_argument("--workload", default="tails", choices=tuple(WORKLOADS))
+  parser.add_argument("--in_flight", default=None,
+                      help="agentic: groups in the agent loop at once, or a comma list (one run "
+                      "each, rows named engine@k); default: a worker's share of the job's "
+                      "window, JobConfig.window (2G) / JobConfig.workers")
   parser.add_argument("--groups", type=int, default=64)
   parser.add_argument("--updates", type=int, default=5)
   parser.add_argument("--engines", default="jax,jax_static,vllm")
@@ -103,16 +171,23 @@ def main():
                       "trained run); default: random weights, whose responses all run to "
                       "max_new_tokens, so no engine shows a tail")
   args = parser.parse_args()
-  args.gin_file = args.gin_file or ["configs/text_grpo_tails.gin"]
+  args.gin_file = args.gin_file or [WORKLOADS[args.workload]]
   args.gin_bindings = ["DecoderConfig.heads = 2", *args.gin_bindings]
   cli.parse(args)
   job, model_cfg, sampler = JobConfig(), DecoderConfig(), SamplerConfig()
+  agentic = job.suite == "agentic"
+  window = job.window or 2 * job.spec.groups_per_batch
+  in_flight = ([int(k) for k in args.in_flight.split(",")] if args.in_flight
+               else [max(1, window // job.workers)])
+  if agentic and "jax_static" in args.engines:
+    args.engines = ",".join(e for e in args.engines.split(",") if e != "jax_static")
   if sampler.top_p != 1.0:
     raise SystemExit("bench_rollout compares log-probs at top_p = 1 (the loss's own function)")
   if cli.check_only(args):
     gin.clear_config()
     return
-  n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources("text"))
+  n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources(job.suite))
+  suite = Suite("agentic", agent=AgentSource(AgenticTaskConfig(), AgentConfig())) if agentic else None
   if args.checkpoint:
     from knittrans_jax.models import hf
     model, model_cfg = hf.load(args.checkpoint)
@@ -121,9 +196,10 @@ def main():
       model = DecoderLM(model_cfg, nnx.Rngs(args.seed))
   graphdef, params = nnx.split(model, nnx.Param)
   host = jax.device_get(params)
-  reqs = requests(args.seed, args.groups, n, sources)
+  reqs = None if agentic else requests(args.seed, args.groups, n, sources)
   length = Suite("text").prompt_len + sampler.max_new_tokens
-  out = {"config": {"gin_file": args.gin_file, "gin_bindings": args.gin_bindings,
+  out = {"config": {"workload": args.workload, "gin_file": args.gin_file,
+                    "gin_bindings": args.gin_bindings, "in_flight": in_flight if agentic else None,
                     "groups": args.groups, "n": n, "sources": sources,
                     "max_new_tokens": sampler.max_new_tokens, "head_dim": model_cfg.dim_per_head,
                     "groups_per_call": job.groups_per_call, "cpus": os.cpu_count(),
@@ -133,11 +209,28 @@ def main():
   for name in tqdm(names, desc="engines", unit="engine"):
     per_call = {"jax": job.groups_per_call, "jax_static": args.groups}.get(name, 1)
     with tempfile.TemporaryDirectory() as tmp:
-      spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
-                        groups_per_call=per_call, workdir=tmp, prompts=Suite("text").prompt_spec)
+      if agentic:  # turns batch by rows, contexts of any length (rollout/jax_engine.py)
+        max_len = suite.agent.loop.max_tokens
+        spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
+                          groups_per_call=per_call, workdir=tmp,
+                          rows_per_call=per_call * n, options=_vllm_options(name, max_len))
+      else:
+        spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
+                          groups_per_call=per_call, workdir=tmp, prompts=Suite("text").prompt_spec,
+                          options=_vllm_options(name, length))
       t0 = time.perf_counter()
       engine = make_engine(spec, graphdef, host, 0)
       startup = time.perf_counter() - t0
+      if agentic:
+        for k in in_flight:
+          # The same run on other prompts first: the JAX engine compiles its shapes there.
+          agentic_run(engine, suite, sampler, args.seed + 1, args.groups, n, sources, k,
+                      start=10**6)
+          res = agentic_run(engine, suite, sampler, args.seed, args.groups, n, sources, k)
+          res.update(startup_s=startup, in_flight=k)
+          out["engines"][name if len(in_flight) == 1 else f"{name}@{k}"] = res
+        engine.close()
+        continue
       timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
       res, groups = timed_run(engine, reqs)
       res["startup_s"] = startup
@@ -165,12 +258,23 @@ def main():
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=2)
+  if agentic:
+    print(f"\n{'engine':<10} {'tokens/s':>9} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
+          f"{'p99/p50':>8} {'busy':>6} {'util':>6} {'turns':>6} {'wall s':>7}")
+    for name, r in out["engines"].items():
+      g = r["group_time_s"]
+      print(f"{name:<10} {r['tokens_per_s']:9.0f} {g['p50']:7.3f} {g['p90']:7.3f} {g['p99']:7.3f} "
+            f"{r['p99_over_p50']:8.2f} {r['busy_fraction']:6.3f} {r['engine_utilization']:6.3f} "
+            f"{r['turns_per_episode']['mean']:6.2f} {r['wall_s']:7.2f}")
+    print(f"wrote {args.json}")
+    gin.clear_config()
+    return
   print(f"\n{'engine':<11} {'tokens/s':>9} {'first s':>8} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
-        f"{'wall s':>7}")
+        f"{'p99/p50':>8} {'wall s':>7}")
   for name, r in out["engines"].items():
     g = r["group_time_s"]
     print(f"{name:<11} {r['tokens_per_s']:9.0f} {r['first_group_s']:8.3f} {g['p50']:7.3f} "
-          f"{g['p90']:7.3f} {g['p99']:7.3f} {r['wall_s']:7.3f}")
+          f"{g['p90']:7.3f} {g['p99']:7.3f} {g['p99'] / g['p50']:8.2f} {r['wall_s']:7.3f}")
   if "vllm" in out["engines"]:
     r = out["engines"]["vllm"]
     print(f"vllm weight update {r['weight_update_s'] * 1e3:.1f} ms for {r['weight_bytes'] / 1e6:.2f} MB "

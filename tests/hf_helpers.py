@@ -1,15 +1,20 @@
 """Tiny random Hugging Face checkpoints of each supported family, made with
-transformers on PyTorch CPU (test-only dependencies, requirements-test.txt)."""
+transformers on PyTorch CPU (test-only dependencies, requirements-test.txt).
+
+torch and transformers are imported by the helpers that use them (and by FAMILIES and
+QWEN_VL, built on first use): importing this module for make_tokenizer alone stays fast."""
 from __future__ import annotations
 
 import numpy as np
-import torch
-import transformers
 
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-6)
-FAMILIES = {
+
+
+def _families() -> dict:
+  import transformers
+  return {
     # Qwen2.5: GQA, q/k/v bias, tied embeddings.
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM,
               dict(rope_theta=1000000.0, tie_word_embeddings=True)),
@@ -24,12 +29,14 @@ FAMILIES = {
                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0,
                                  "original_max_position_embeddings": 600})),
-}
+  }
 
 
-def make_checkpoint(family: str, path: str, seed: int = 0, dtype=torch.float32, **overrides):
-  """Saves a random model of `family` to `path`; returns the torch model (eval mode)."""
-  cfg_cls, model_cls, extra = FAMILIES[family]
+def make_checkpoint(family: str, path: str, seed: int = 0, dtype=None, **overrides):
+  """Saves a random model of `family` to `path` (`dtype`: a torch dtype, float32 by
+  default); returns the torch model (eval mode)."""
+  import torch
+  cfg_cls, model_cls, extra = _lazy("FAMILIES")[family]
   torch.manual_seed(seed)
   model = model_cls(cfg_cls(**{**COMMON, **extra, **overrides})).eval()
   with torch.no_grad():  # random norms and biases too, so a mapping mistake shows
@@ -38,7 +45,7 @@ def make_checkpoint(family: str, path: str, seed: int = 0, dtype=torch.float32, 
         p.copy_(1 + 0.2 * torch.randn_like(p))
       elif name.endswith(".bias"):
         p.copy_(0.1 * torch.randn_like(p))
-  model = model.to(dtype)
+  model = model.to(torch.float32 if dtype is None else dtype)
   model.save_pretrained(path)
   return model
 
@@ -56,7 +63,9 @@ QWEN_VL_TEXT = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hid
                                                      "rope_theta": 10000.0})
 QWEN_VL_IDS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
                    vision_end_token_id=END)
-QWEN_VL = {  # family -> (config class, model class, vision_config, tied embeddings)
+def _qwen_vl() -> dict:
+  import transformers
+  return {  # family -> (config class, model class, vision_config, tied embeddings)
     # Tied embeddings, as Qwen2-VL-2B.
     "qwen2_vl": (transformers.Qwen2VLConfig, transformers.Qwen2VLForConditionalGeneration,
                  dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2,
@@ -66,7 +75,21 @@ QWEN_VL = {  # family -> (config class, model class, vision_config, tied embeddi
                    dict(depth=3, hidden_size=32, intermediate_size=40, out_hidden_size=64,
                         num_heads=4, patch_size=4, temporal_patch_size=2, spatial_merge_size=2,
                         window_size=16, fullatt_block_indexes=[1]), False),
-}
+  }
+
+
+def __getattr__(name: str):
+  """FAMILIES and QWEN_VL, built (transformers imported) on first use."""
+  build = {"FAMILIES": _families, "QWEN_VL": _qwen_vl}.get(name)
+  if build is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  globals()[name] = value = build()
+  return value
+
+
+def _lazy(name: str):
+  """FAMILIES or QWEN_VL from inside the module (where __getattr__ is not consulted)."""
+  return globals().get(name) or __getattr__(name)
 
 
 def make_qwen_vl_checkpoint(family: str, path: str, seed: int = 0, text: dict | None = None,
@@ -74,7 +97,8 @@ def make_qwen_vl_checkpoint(family: str, path: str, seed: int = 0, text: dict | 
   """Saves a random tiny Qwen-VL model of `family` (QWEN_VL; `text` and `vision`
   override its text_config and vision_config) to `path`; returns the torch model (eval
   mode)."""
-  cfg_cls, model_cls, vision_config, tied = QWEN_VL[family]
+  import torch
+  cfg_cls, model_cls, vision_config, tied = _lazy("QWEN_VL")[family]
   torch.manual_seed(seed)
   model = model_cls(cfg_cls(text_config={**QWEN_VL_TEXT, **(text or {})},
                             vision_config={**vision_config, **(vision or {})},
@@ -88,6 +112,7 @@ def randomize_vl_(named_parameters) -> None:
   """In place: weights of std 1 / sqrt(fan in) (not transformers' 0.02), so attention
   logits are O(1) and masks and positions change the output; random norms and
   biases, so a mapping mistake shows."""
+  import torch
   with torch.no_grad():
     for name, p in named_parameters:
       if p.ndim > 1:
@@ -100,6 +125,7 @@ def randomize_vl_(named_parameters) -> None:
 
 def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
   """Logits with the positions our decoder uses: real tokens counted from 0."""
+  import torch
   positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
   with torch.no_grad():
     out = model(input_ids=torch.from_numpy(tokens.astype(np.int64)),

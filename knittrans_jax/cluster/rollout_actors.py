@@ -27,9 +27,10 @@ import time
 from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
-from knittrans_jax.job.roles import Finished
+from knittrans_jax.job.roles import Failed, Finished
 from knittrans_jax.job.workers import release
-from knittrans_jax.rollout.worker import GroupDone, WorkerError, one_device_xla_flags, worker_main
+from knittrans_jax.rollout.worker import (GroupDone, GroupFailed, WorkerArgs, WorkerError,
+                                          one_device_xla_flags, worker_main)
 
 
 def _node_address() -> str:
@@ -40,7 +41,7 @@ def _node_address() -> str:
 class RolloutActor:
   """One rollout worker (see module doc); `worker_id` names its storage unit."""
 
-  def __init__(self, worker_id: int, workdir: str, store_url: str, args: dict):
+  def __init__(self, worker_id: int, workdir: str, store_url: str, args: WorkerArgs):
     os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))  # before JAX
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     self.id, self.loop = worker_id, None
@@ -60,7 +61,7 @@ class RolloutActor:
       os._exit(1)  # Ray sees the actor die and restarts it; its calls fail
 
   # worker_main's report queue: called on the engine thread.
-  def put(self, msg: GroupDone | WorkerError) -> None:
+  def put(self, msg: GroupDone | GroupFailed | WorkerError) -> None:
     if isinstance(msg, WorkerError):
       print(f"rollout actor {self.id} failed:\n{msg.message}", file=sys.stderr, flush=True)
       return
@@ -72,7 +73,8 @@ class RolloutActor:
       fut.set_result(result)
 
   async def generate(self, group_id: int, source: str):
-    """The worker's GroupDone once the group is committed (rollout/worker.py)."""
+    """The worker's GroupDone once the group is committed, or its GroupFailed
+    (rollout/worker.py)."""
     self.loop = asyncio.get_running_loop()
     fut = self.loop.create_future()
     self.pending[group_id] = fut
@@ -91,7 +93,7 @@ class RolloutActor:
 class RayWorkerPool:
   timed_generation = True  # Finished.seconds: the group's time in its engine
 
-  def __init__(self, workdir: str, store, store_url: str, *, workers: int, worker_args: dict,
+  def __init__(self, workdir: str, store, store_url: str, *, workers: int, worker_args: WorkerArgs,
                cfg: RayConfig, estimate: Callable[[str], float | None] = lambda s: None,
                log: Callable[[str], None] = print):
     import ray
@@ -166,7 +168,7 @@ class RayWorkerPool:
           continue  # its worker was released by an earlier ref of this batch
         gid, w, _ = self.calls.pop(ref)
         try:
-          done: GroupDone = ray.get(ref)
+          done: GroupDone | GroupFailed = ray.get(ref)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
           lost.append((w, f"died ({type(e).__name__})"))
           continue
@@ -176,7 +178,11 @@ class RayWorkerPool:
         self.warm.add(w)
         if self.held.get(gid, (None,))[0] == w:
           del self.held[gid]
-          events.append(Finished(done.metas, done.seconds))
+          if isinstance(done, GroupFailed):
+            self.log(f"\nrollout actor {w}: {done.reason}; the group is replaced")
+            events.append(Failed(gid, done.reason))
+          else:
+            events.append(Finished(done.metas, done.seconds))
       now, hung = time.monotonic(), {}
       for gid, w, deadline in self.calls.values():
         if now > deadline and w not in hung:

@@ -26,9 +26,11 @@ class JobConfig:
   window: groups dispatched but not yet trained (default 2G, one-step-off).
   micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
   seq_len: static sequence length of a train batch (prompt + response).
-  suite: 'text' (a decoder on text tasks), 'vision' (a VLM on generated images) or
+  suite: 'text' (a decoder on text tasks), 'vision' (a VLM on generated images),
     'math' (a prompt data set through the checkpoint's tokenizer and chat template,
-    scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig).
+    scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig) or
+    'agentic' (multi-turn tool episodes run by the agent loop; rollout/agentic_tasks.py,
+    AgenticTaskConfig, AgentConfig; seq_len must hold AgentConfig.max_tokens).
   dispatch: the order groups start in (admission/dispatch.py): 'shuffled' (the data
     loader's quota-exact blocks in random order) or 'quota_aware' (within each
     block, the source whose groups take longest to complete first).
@@ -75,7 +77,7 @@ class JobConfig:
   # A row may go to a consumer on its unit's host if that keeps every consumer's
   # tokens within this fraction of the mean (dataplane/assignment.py); 0: never.
   locality_tolerance: float = 0.05
-  suite: str = "text"  # or 'vision'
+  suite: str = "text"  # or 'vision', 'math', 'agentic'
   encode_once: bool = True
   consumers: int | None = None
   stall_timeout_s: float = 600.0
@@ -100,8 +102,9 @@ class JobConfig:
                        "fraction in [0, 1)")
     if self.data_path not in ("ondemand", "centralized"):
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
-    if self.suite not in ("text", "vision", "math"):
-      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision' or 'math'")
+    if self.suite not in ("text", "vision", "math", "agentic"):
+      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision', 'math' or "
+                       "'agentic'")
     if self.dispatch not in DISPATCH_POLICIES:
       raise ValueError(f"JobConfig.dispatch = {self.dispatch!r}: use one of {DISPATCH_POLICIES}")
     if self.checkpoint is not None and not os.path.isfile(

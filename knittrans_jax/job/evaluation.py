@@ -41,11 +41,12 @@ class EvalConfig:
 class Evaluator:
 
   def __init__(self, config: EvalConfig, graphdef, sampler, suite: str, sources, seed: int,
-               vision=None, math=None):
-    """`vision`: the run's VisionSpec (models/vision_spec.py) for the vision suite."""
+               vision=None, math=None, agent=None):
+    """`vision`: the run's VisionSpec (models/vision_spec.py) for the vision suite;
+    `agent`: the agentic suite's AgentSource (rollout/groups.py)."""
     self.config, self.graphdef, self.suite = config, graphdef, suite
-    self.vision, self.math = vision, math
-    self.tasks = Suite(suite, math, vision)
+    self.vision, self.math, self.agent = vision, math, agent
+    self.tasks = Suite(suite, math, vision, agent)
     self.sources, self.train_seed = tuple(sources), seed
     self.seed = seed + config.seed_offset
     # Held-out group ids start at 2^31, far above any id training dispatches.
@@ -77,6 +78,6 @@ class Evaluator:
     out = {}
     for name, sampler in self.samplers.items():
       groups = rollout_groups(self.graphdef, params, version, self.seed, self.requests, 1,
-                              sampler, self.suite, self.math, self.vision)
+                              sampler, self.suite, self.math, self.vision, self.agent)
       out[name] = float(np.mean([g.trajectories[0].reward for g in groups]))
     return out

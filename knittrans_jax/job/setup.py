@@ -26,7 +26,9 @@ from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
-from knittrans_jax.rollout.groups import MathSource, suite_prompt_len, suite_sources
+from knittrans_jax.rollout.agent_loop import AgentConfig
+from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
+from knittrans_jax.rollout.groups import AgentSource, MathSource, suite_prompt_len, suite_sources
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
 from knittrans_jax.rollout.sampler import SamplerConfig
@@ -75,6 +77,15 @@ class JobSetup:
   trained_sources: tuple[str, ...]  # the quota's, or the whole suite without one
   prompt_len: int
   engine_options: object | None = None  # rollout/vllm_engine.VllmOptions for 'vllm'
+  agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
+
+  @property
+  def max_sequence_len(self) -> int:
+    """The longest trajectory (prompt and response): an episode's context is at most
+    AgentConfig.max_tokens; one response at most max_new_tokens after its prompt."""
+    if self.agent is not None:
+      return self.agent.loop.max_tokens
+    return self.prompt_len + self.sampler.max_new_tokens
 
   @property
   def synchronous(self) -> bool:
@@ -100,11 +111,13 @@ def job_setup(cfg: JobConfig) -> JobSetup:
   qwen = QwenVisionTasks.of(vision)
   sources = suite_sources(cfg.suite, math)
   quota = cfg.spec.source_quota
+  agent = AgentSource(AgenticTaskConfig(), AgentConfig()) if cfg.suite == "agentic" else None
   setup = JobSetup(
       cfg=cfg, model=model_config(cfg), sampler=sampler, loss=LossConfig(), vision=vision,
       qwen=qwen, math=math, sources=sources,
       trained_sources=tuple(quota) if quota else sources,
-      prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math))
+      prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math),
+      agent=agent)
   _check_model_and_tasks(setup)
   if cfg.engine == "vllm":
     from knittrans_jax.rollout import vllm_engine  # vLLM only when asked for
@@ -112,7 +125,7 @@ def job_setup(cfg: JobConfig) -> JobSetup:
     vllm_engine.check_model(setup.model)
     opts = vllm_engine.VllmOptions()
     setup = dataclasses.replace(setup, engine_options=dataclasses.replace(
-        opts, max_model_len=opts.max_model_len or setup.prompt_len + sampler.max_new_tokens))
+        opts, max_model_len=opts.max_model_len or setup.max_sequence_len))
   return setup
 
 
@@ -124,9 +137,14 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"vocabulary {vocab}")
   if s.math:
     s.math.suite().check_lengths()  # an over-long prompt is an error now, not mid-run
-  if cfg.seq_len < s.prompt_len + s.sampler.max_new_tokens:
-    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < prompt {s.prompt_len} + "
-                     f"max_new_tokens {s.sampler.max_new_tokens}")
+  if cfg.seq_len < s.max_sequence_len:
+    longest = (f"AgentConfig.max_tokens = {s.max_sequence_len}, an episode's longest context"
+               if s.agent is not None else
+               f"prompt {s.prompt_len} + max_new_tokens {s.sampler.max_new_tokens}")
+    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < {longest}")
+  if s.model.max_positions < s.max_sequence_len:
+    raise ValueError(f"DecoderConfig.max_positions = {s.model.max_positions} < the longest "
+                     f"trajectory, {s.max_sequence_len} tokens")
   unknown = set(cfg.spec.source_quota or {}) - set(s.sources)
   if unknown:
     raise ValueError(f"TrainBatchSpec.source_quota names unknown sources {sorted(unknown)}; "
@@ -171,7 +189,7 @@ def create_store(setup: JobSetup, url: str) -> TrajectoryStore:
   """The run's store (the controller's process creates it; trainers open it)."""
   return TrajectoryStore.create(url, StoreSchema(
       sources=setup.sources, max_prompt_len=setup.prompt_len,
-      max_response_len=setup.sampler.max_new_tokens))
+      max_response_len=setup.max_sequence_len - setup.prompt_len))
 
 
 def worker_args(setup: JobSetup) -> WorkerArgs:
@@ -179,7 +197,7 @@ def worker_args(setup: JobSetup) -> WorkerArgs:
   return WorkerArgs(seed=cfg.seed, n=cfg.spec.group_size, model_config=setup.model,
                     sampler_config=setup.sampler, suite=cfg.suite, vision=setup.vision,
                     math=setup.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
-                    engine_options=setup.engine_options)
+                    engine_options=setup.engine_options, agent=setup.agent)
 
 
 def make_planner(setup: JobSetup, consumers: int, trainers,
@@ -216,4 +234,4 @@ def make_evaluator(setup: JobSetup, graphdef) -> Evaluator | None:
                      "not built yet; set it to 0")
   cfg = setup.cfg
   return Evaluator(eval_cfg, graphdef, setup.sampler, cfg.suite, setup.trained_sources, cfg.seed,
-                   setup.vision, setup.math)
+                   setup.vision, setup.math, setup.agent)

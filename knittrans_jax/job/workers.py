@@ -19,7 +19,7 @@ import time
 from typing import Callable
 
 from knittrans_jax.job.roles import Failed, Finished
-from knittrans_jax.rollout.worker import GroupDone, WorkerError, worker_main
+from knittrans_jax.rollout.worker import GroupDone, GroupFailed, WorkerArgs, WorkerError, worker_main
 from knittrans_jax.storage import TrajectoryStore
 
 
@@ -43,7 +43,7 @@ def release(store: TrajectoryStore, held: dict, w: int, n: int, why: str) -> lis
 class WorkerPool:
   timed_generation = True  # Finished.seconds: the group's time in its engine (job/controller.py)
 
-  def __init__(self, workdir: str, store_url: str, *, workers: int, worker_args: dict,
+  def __init__(self, workdir: str, store_url: str, *, workers: int, worker_args: WorkerArgs,
                store: TrajectoryStore, log: Callable[[str], None] = print):
     self.workdir, self.store, self.store_url = workdir, store, store_url
     self.args, self.log = worker_args, log
@@ -92,12 +92,15 @@ class WorkerPool:
         self._start(w)
     return events
 
-  def _handle(self, msg: GroupDone | WorkerError) -> list:
+  def _handle(self, msg: GroupDone | GroupFailed | WorkerError) -> list:
     if isinstance(msg, WorkerError):
       self.log(f"\nrollout worker {msg.worker} failed:\n{msg.message}")
       return []
     if self.held.pop(msg.group_id, None) is None:
       return []  # already released (its worker was lost): reported from the store then
+    if isinstance(msg, GroupFailed):
+      self.log(f"\nrollout worker {msg.worker}: {msg.reason}; the group is replaced")
+      return [Failed(msg.group_id, msg.reason)]
     return [Finished(msg.metas, msg.seconds)]
 
   def _release(self, w: int) -> list:

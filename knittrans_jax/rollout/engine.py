@@ -102,7 +102,11 @@ class EngineSpec:
   """What a worker needs to build its engine. `model_config`: the decoder's
   DecoderConfig; `groups_per_call`: the 'jax' engine's static batch (groups per
   sampler call; JobConfig.groups_per_call), which the 'vllm' engine, batching
-  continuously, does without; `options`: backend options (VllmOptions for 'vllm')."""
+  continuously, does without; `rows_per_call`: instead, the 'jax' engine takes
+  queued requests up to this many responses a call, padded to a power-of-two row
+  count and prompt length (agentic turns, rollout/agent_loop.py: requests of n = 1
+  whose contexts grow, in a few shapes compiled once); `options`: backend options
+  (VllmOptions for 'vllm')."""
   name: str
   model_config: Any
   sampler: SamplerConfig
@@ -111,11 +115,15 @@ class EngineSpec:
   options: Any = None
   workdir: str | None = None  # where an engine that loads from disk writes its weights
   prompts: PromptSpec = PromptSpec()
+  rows_per_call: int | None = None
 
   def __post_init__(self):
     if self.name not in ENGINES:
       raise ValueError(f"rollout engine {self.name!r} is unknown; use one of {ENGINES}")
-    if self.name == "jax" and (self.groups_per_call is None or self.groups_per_call < 1):
+    if self.rows_per_call is not None and self.rows_per_call < 1:
+      raise ValueError(f"EngineSpec.rows_per_call = {self.rows_per_call}: must be >= 1")
+    if (self.name == "jax" and self.rows_per_call is None
+        and (self.groups_per_call is None or self.groups_per_call < 1)):
       raise ValueError(f"EngineSpec.groups_per_call = {self.groups_per_call}: the 'jax' engine "
                        "needs its static batch (>= 1 groups per sampler call)")
 

@@ -1,10 +1,13 @@
 """One GRPO group: a task from its seed, n sampled responses, scored trajectories.
 
-Three task suites: 'text' (rollout/tasks.py), 'vision' (rollout/vision_tasks.py,
+Four task suites: 'text' (rollout/tasks.py), 'vision' (rollout/vision_tasks.py,
 one generated image per prompt, shared by the group's n responses: the sampler
-encodes it once and the group stores it once) and 'math' (rollout/math_tasks.py: a
-prompt data set through a real tokenizer, the verifiable math reward). The math
-suite needs its `MathSource` (config, tokenizer directory), passed as `math`.
+encodes it once and the group stores it once), 'math' (rollout/math_tasks.py: a
+prompt data set through a real tokenizer, the verifiable math reward) and 'agentic'
+(rollout/agentic_tasks.py: multi-turn episodes, each in its own environment, run by
+the agent loop, rollout/agent_loop.py). The math suite needs its `MathSource`
+(config, tokenizer directory), passed as `math`; the agentic suite its
+`AgentSource` (the tasks' and the loop's configs), passed as `agent`.
 """
 from __future__ import annotations
 
@@ -15,17 +18,19 @@ import numpy as np
 
 from knittrans_jax.data import split
 from knittrans_jax.models.vision_spec import VisionSpec
-from knittrans_jax.rollout import math_tasks, tasks, vision_tasks
+from knittrans_jax.rollout import agentic_tasks, math_tasks, tasks, vision_tasks
+from knittrans_jax.rollout.agent_loop import AgentConfig, AgentLoop, EpisodeGroup, FailedGroup
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.rollout.engine import (FinishedGroup, GroupRequest, PromptSpec, ToolInsert,
                                           response_seeds)
-from knittrans_jax.rollout.jax_engine import generate_groups
+from knittrans_jax.rollout.engine import EngineSpec
+from knittrans_jax.rollout.jax_engine import JaxEngine, generate_groups
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.storage import Image
 from knittrans_jax.types import Trajectory
 
 PROMPT_LEN = 5  # the longest text prompt; prompts are left-padded to it
-SUITES = ("text", "vision", "math")
+SUITES = ("text", "vision", "math", "agentic")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,16 +44,27 @@ class MathSource:
     return math_tasks.suite_for(self.config, self.tokenizer_dir, self.seed)
 
 
+@dataclasses.dataclass(frozen=True)
+class AgentSource:
+  """What a process needs to run the agentic suite (picklable, sent to workers): the
+  tasks' config (turn tail, tool latency) and the agent loop's (turns, token budget,
+  step timeout)."""
+  tasks: agentic_tasks.AgenticTaskConfig = agentic_tasks.AgenticTaskConfig()
+  loop: AgentConfig = AgentConfig()
+
+
 def suite_sources(suite: str, math: MathSource | None = None) -> tuple[str, ...]:
   if _check(suite, math) == "math":
     return math.suite().sources
-  return {"text": tasks.SOURCES, "vision": vision_tasks.SOURCES}[suite]
+  return {"text": tasks.SOURCES, "vision": vision_tasks.SOURCES,
+          "agentic": agentic_tasks.SOURCES}[suite]
 
 
 def suite_prompt_len(suite: str, math: MathSource | None = None) -> int:
   if _check(suite, math) == "math":
     return math.config.prompt_len
-  return {"text": PROMPT_LEN, "vision": vision_tasks.PROMPT_LEN}[suite]
+  return {"text": PROMPT_LEN, "vision": vision_tasks.PROMPT_LEN,
+          "agentic": agentic_tasks.PROMPT_LEN}[suite]
 
 
 def _check(suite: str, math: MathSource | None = None) -> str:
@@ -60,7 +76,8 @@ def _check(suite: str, math: MathSource | None = None) -> str:
 
 
 def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_size: int = 32,
-             math: MathSource | None = None, max_draws: int = 1000):
+             math: MathSource | None = None, max_draws: int = 1000,
+             agent: AgentSource | None = None):
   """The task of a group is a pure function of (seed, group id, source). A training
   group never gets a held-out prompt and an evaluation group (id from
   split.HELD_OUT_GROUP_IDS) only gets held-out ones: a task on the wrong side of the
@@ -73,6 +90,10 @@ def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_s
     if suite == "vision":
       task = vision_tasks.make_task(rng, source, image_size)
       if split.held_out(source, task.prompt, task.image) == want:
+        return task
+    elif suite == "agentic":
+      task = agentic_tasks.make_task(rng, source, (agent or AgentSource()).tasks)
+      if agentic_tasks.held_out(task) == want:
         return task
     else:
       task = tasks.make_task(rng, source)
@@ -99,9 +120,15 @@ class Suite:
   name: str = "text"
   math: MathSource | None = None
   vision: VisionSpec | None = None
+  agent: AgentSource | None = None
 
   def __post_init__(self):
     _check(self.name, self.math)
+    if self.name == "agentic" and self.agent is None:
+      object.__setattr__(self, "agent", AgentSource())
+    if self.name != "agentic" and self.agent is not None:
+      raise ValueError(f"task suite {self.name!r} with an AgentSource: only the 'agentic' suite "
+                       "runs episodes")
     if (self.name == "vision") != (self.vision is not None):
       raise ValueError(f"task suite {self.name!r} with vision spec "
                        f"{None if self.vision is None else self.vision.kind!r}: the 'vision' "
@@ -125,7 +152,28 @@ class Suite:
     return self.qwen.prompt_len if self.qwen is not None else suite_prompt_len(self.name, self.math)
 
   def task(self, seed: int, group_id: int, source: str):
-    return task_for(seed, group_id, source, self.name, self.image_size, self.math)
+    return task_for(seed, group_id, source, self.name, self.image_size, self.math,
+                    agent=self.agent)
+
+  @property
+  def multi_turn(self) -> bool:
+    """Episodes in environments (the agent loop), not single responses."""
+    return self.agent is not None
+
+  def environments(self, task, n: int, group_id: int) -> list:
+    """The n environments of a group's episodes (the agentic suite); injected faults
+    (AgenticTaskConfig.fault_rate) only in training groups."""
+    faults = not split.for_evaluation(group_id)
+    return [agentic_tasks.AgenticEnv(task, i, self.agent.tasks, faults) for i in range(n)]
+
+  def agent_loop(self, engine, sampler: SamplerConfig) -> AgentLoop:
+    return AgentLoop(engine, self.agent.loop, vocab_size=tasks.VOCAB_SIZE,
+                     max_new_tokens=sampler.max_new_tokens)
+
+  def start(self, loop: AgentLoop, task, seed: int, group_id: int, n: int) -> None:
+    """Adds group `group_id`'s n episodes to the agent loop."""
+    loop.add(group_id, task.source, self.environments(task, n, group_id), task,
+             response_seeds(seed, group_id, n))
 
   def prompt(self, task) -> np.ndarray:
     return self.qwen.prompt(task) if self.qwen is not None else task.prompt
@@ -148,9 +196,17 @@ class Suite:
     return GroupRequest(group_id, task.source, np.asarray(self.prompt(task), np.int32), n,
                         response_seeds(seed, group_id, n), image=image, tool=tool)
 
-  def rolled(self, task, group: FinishedGroup) -> RolledGroup:
+  def rolled(self, task, group: FinishedGroup | EpisodeGroup) -> RolledGroup:
     """A finished group scored against its task: its trajectories, and its image
-    (stored once)."""
+    (stored once). An EpisodeGroup's episodes are scored by their environments:
+    each is one trajectory, observations masked (AgentLoop's Episode.response)."""
+    if isinstance(group, EpisodeGroup):
+      return RolledGroup([
+          Trajectory(prompt_tokens=ep.prompt, response_tokens=tokens, logprobs=logprobs,
+                     loss_mask=mask, reward=ep.reward, source=group.source,
+                     group_id=group.group_id, index_in_group=i, versions=ep.versions)
+          for i, ep in enumerate(group.episodes)
+          for tokens, logprobs, mask in [ep.response()]], [])
     req = group.request
     score = ({"vision": vision_tasks.score, "text": tasks.score}.get(self.name)
              or self.math.suite().score)
@@ -169,18 +225,34 @@ class Suite:
 
 def rollout_groups(graphdef, params, version: int, seed: int, requests: list[tuple[int, str]],
                    n: int, sampler: SamplerConfig, suite: str = "text",
-                   math: MathSource | None = None,
-                   vision: VisionSpec | None = None) -> list[RolledGroup]:
+                   math: MathSource | None = None, vision: VisionSpec | None = None,
+                   agent: AgentSource | None = None) -> list[RolledGroup]:
   """Generates n responses for each (group id, source) in one JAX sampler call (the
   colocated reference and held-out evaluation; rollout workers run an engine).
 
   Response i of group g samples with the key of its seed, a function of (seed, g, i)
   (engine.response_seeds, jax_engine.response_keys), so a group comes out the same
   however groups are batched into calls: a worker's few, the colocated reference's many
-  (up to float reassociation in batched matmuls).
+  (up to float reassociation in batched matmuls). The agentic suite runs its episodes
+  on an agent loop over a JAX engine holding `params`; an environment that fails
+  stops this call (the colocated reference and evaluation have no worker to retry).
   """
-  tasks_ = Suite(suite, math, vision)
+  tasks_ = Suite(suite, math, vision, agent)
   pairs = [(tasks_.task(seed, gid, source), gid) for gid, source in requests]
+  if tasks_.multi_turn:
+    engine = JaxEngine(EngineSpec("jax", None, sampler, seed, rows_per_call=len(requests) * n),
+                       graphdef, params, version)
+    loop = tasks_.agent_loop(engine, sampler)
+    try:
+      for task, gid in pairs:
+        tasks_.start(loop, task, seed, gid, n)
+      done = {g.group_id: g for g in loop.run()}
+    finally:
+      loop.close()
+    failed = [g.reason for g in done.values() if isinstance(g, FailedGroup)]
+    if failed:
+      raise RuntimeError(f"{len(failed)} episode group(s) failed: {failed[0]}")
+    return [tasks_.rolled(task, done[gid]) for task, gid in pairs]
   reqs = [tasks_.request(task, seed, gid, n) for task, gid in pairs]
   finished = generate_groups(graphdef, params, version, reqs, sampler, tasks_.prompt_spec)
   return [tasks_.rolled(task, g) for (task, _), g in zip(pairs, finished)]

@@ -7,9 +7,16 @@ response (`groups_per_call = 1`: each group on its own longest response). The
 reference backend (parity, the colocated and synchronous modes, held-out evaluation)
 and the only one for the vision suites (a VLM's image, Qwen-VL's M-RoPE prefill).
 Weights are swapped between calls: every response of a step has one version.
+
+With `EngineSpec.rows_per_call` (agentic turns) a step takes queued requests up to
+that many responses instead, and pads the call to a power-of-two row count and
+prompt length (`bucket`): turns whose contexts grow with every observation then
+compile a few shapes, not one per length (dummy rows repeat the first request and
+are dropped; each row samples with its own key, so they change no real row).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -21,6 +28,12 @@ from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupReques
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
 _keys = jax.jit(jax.vmap(jax.random.key))
+MIN_BUCKET = 8
+
+
+def bucket(n: int, least: int = MIN_BUCKET) -> int:
+  """The power of two >= max(n, least): a padded shape."""
+  return max(least, 1 << max(0, n - 1).bit_length())
 
 
 def response_keys(seeds) -> jax.Array:
@@ -98,12 +111,36 @@ class JaxEngine(RolloutEngine):
     self.params, self.version = self._device(params), version
 
   def step(self) -> list[FinishedGroup]:
+    if self.spec.rows_per_call is not None:
+      return self._step_rows()
     batch = self.queue[:self.spec.groups_per_call]
     self.queue = self.queue[len(batch):]
+    return self._call(batch, self.spec.prompts, len(batch))
+
+  def _call(self, batch: list[GroupRequest], prompts: PromptSpec, shape) -> list[FinishedGroup]:
     t0 = time.perf_counter()
     done = generate_groups(self.graphdef, self.params, self.version, batch, self.spec.sampler,
-                           self.spec.prompts)
-    # A call of a new size compiled the sampler first: its time is not the groups'.
-    seconds = time.perf_counter() - t0 if len(batch) in self._compiled else None
-    self._compiled.add(len(batch))
+                           prompts)
+    # A call of a new shape compiled the sampler first: its time is not the groups'.
+    seconds = time.perf_counter() - t0 if shape in self._compiled else None
+    self._compiled.add(shape)
     return [FinishedGroup(g.request, g.responses, seconds) for g in done]
+
+  def _step_rows(self) -> list[FinishedGroup]:
+    batch, rows = [], 0
+    while self.queue and (not batch or rows + self.queue[0].n <= self.spec.rows_per_call):
+      batch.append(self.queue.pop(0))
+      rows += batch[-1].n
+    length = self.spec.prompts.length or bucket(max(r.prompt.size for r in batch))
+    width = bucket(rows, least=1)
+    first = batch[0]
+    pad = [dataclasses.replace(first, group_id=-1 - k, n=1, seeds=(k,))
+           for k in range(width - rows)]
+    done = self._call(batch + pad, dataclasses.replace(self.spec.prompts, length=length),
+                      (width, length))
+    return done[:len(batch)]
+
+  @property
+  def compiled_shapes(self) -> int:
+    """Distinct sampler call shapes this engine ran (each compiled once)."""
+    return len(self._compiled)

@@ -17,6 +17,12 @@ initialised policy already sees reward differences within a group.
   chain_long  (long)        the chain task with L in 6..15 around 11: the long source
            of configs/text_grpo_tails.gin, whose groups take several times as long
            to decode as `nearest`'s (as a code or proof source does beside chat).
+  long     (long-tailed, up to 512 tokens)  prompt: BOS LONG a h SEP. Answer: the chain
+           a, a+1, ... (mod 16), L = LONG_LENGTHS[h] digits long (16 to 512,
+           geometric in h), then EOS; h is drawn with P(h) ~ exp(-h / 3), so most
+           answers are a few dozen tokens and about one in a hundred is several
+           hundred (configs/text_long_tails.gin). reward = (correct digits among the
+           first L) / L x exp(-|len - L| / (L / 4)).
   lookup   (multi-turn, a tool call)  prompt: BOS LOOKUP k SEP. The value v of key k
            is in a table only the tool holds (TABLE). Answer: CALL; the engine then
            inserts the tool's output RESULT v (context, not sampled: loss mask 0);
@@ -33,9 +39,12 @@ import numpy as np
 
 PAD, EOS, BOS, NEAR, COUNT, CHAIN, SEP, X = 0, 1, 2, 3, 4, 5, 6, 7
 LOOKUP, CALL, RESULT = 8, 9, 10
+LONG = 12
 DIGIT0 = 16
 VOCAB_SIZE = 64
-SOURCES = ("nearest", "count", "chain", "chain_long", "lookup")
+SOURCES = ("nearest", "count", "chain", "chain_long", "lookup", "long")
+LONG_LENGTHS = tuple(int(round(16 * 32 ** (h / 15))) for h in range(16))  # 16 .. 512
+_LONG_P = np.exp(-np.arange(16) / 3.0) / np.exp(-np.arange(16) / 3.0).sum()
 TABLE = tuple(int(v) for v in np.random.default_rng(20261202).permutation(16))  # the tool's
 
 
@@ -66,6 +75,10 @@ def make_task(rng: np.random.Generator, source: str) -> Task:
       L = int(np.clip(np.round(rng.lognormal(np.log(11), 0.25)), 6, 15))
     return Task(source, np.array([BOS, CHAIN, digit(a), digit(L), SEP], np.int32),
                 {"a": a, "L": L})
+  if source == "long":
+    a, h = int(rng.integers(0, 16)), int(rng.choice(16, p=_LONG_P))
+    return Task(source, np.array([BOS, LONG, digit(a), digit(h), SEP], np.int32),
+                {"a": a, "L": LONG_LENGTHS[h]})
   if source == "lookup":
     k = int(rng.integers(0, 16))
     return Task(source, np.array([BOS, LOOKUP, digit(k), SEP], np.int32), {"v": TABLE[k]},
@@ -73,14 +86,14 @@ def make_task(rng: np.random.Generator, source: str) -> Task:
   raise ValueError(f"unknown task source {source!r}; choose one of {SOURCES}")
 
 
-def _body(response: np.ndarray) -> tuple[np.ndarray, bool]:
+def answer_body(response: np.ndarray) -> tuple[np.ndarray, bool]:
   """Response tokens before the first EOS, and whether an EOS was emitted."""
   stops = np.flatnonzero(response == EOS)
   return (response[:stops[0]], True) if stops.size else (response, False)
 
 
 def score(task: Task, response: np.ndarray) -> float:
-  body, stopped = _body(np.asarray(response))
+  body, stopped = answer_body(np.asarray(response))
   if task.source == "nearest":
     d = task.answer["d"]
     if body.size == 0 or not DIGIT0 <= body[0] < DIGIT0 + 16:
@@ -91,12 +104,13 @@ def score(task: Task, response: np.ndarray) -> float:
     n = task.answer["n"]
     xs = int(np.sum(body[:n] == X))
     return 0.5 * math.exp(-abs(body.size - n) / 3.0) + 0.5 * xs / n
-  if task.source in ("chain", "chain_long"):
+  if task.source in ("chain", "chain_long", "long"):
     a, L = task.answer["a"], task.answer["L"]
     want = DIGIT0 + (a + np.arange(L)) % 16
     got = body[:L]
     correct = int(np.sum(got == want[:got.size]))
-    return correct / L * math.exp(-abs(body.size - L) / 4.0)
+    scale = L / 4.0 if task.source == "long" else 4.0
+    return correct / L * math.exp(-abs(body.size - L) / scale)
   if task.source == "lookup":
     called = body.size >= 3 and body[0] == CALL and (body[1:3] == task.tool_output).all()
     rest = body[3:] if called else body

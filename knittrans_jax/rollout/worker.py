@@ -5,10 +5,17 @@ The worker hands every queued group to its rollout engine (rollout/engine.py: 'j
 a static batch per step; 'vllm', continuous batching) and reports each group the
 step its last response finishes.
 
+Multi-turn suites (`Suite.multi_turn`, the 'agentic' suite) run their groups'
+episodes on an agent loop over the same engine (rollout/agent_loop.py): a group is
+reported when its last episode ends, and a group whose environment failed is
+reported as `GroupFailed` with the reason (the controller replaces it).
+
 Messages: requests are (group_id, source); reports are `GroupDone` (a committed
 group's metadata; `seconds` is its time in the engine: its decode time, without the
 wait in this worker's queue, which the dispatch policies learn from; None when it
-included compilation) or `WorkerError` (the worker's traceback; it then exits). A
+included compilation; for episodes, from the group's start to its last episode's
+end, environments included), `GroupFailed` (nothing of the group was committed) or
+`WorkerError` (the worker's traceback; it then exits). A
 None request stops the worker. Both pools read these (job/workers.py for local
 processes, cluster/rollout_actors.py for Ray actors).
 """
@@ -36,6 +43,13 @@ class GroupDone:
 
 
 @dataclasses.dataclass(frozen=True)
+class GroupFailed:
+  worker: int
+  group_id: int
+  reason: str  # names the environment and the step
+
+
+@dataclasses.dataclass(frozen=True)
 class WorkerError:
   worker: int
   message: str  # the traceback
@@ -50,7 +64,8 @@ class WorkerArgs:
   suite) or None; `math`: rollout/groups.MathSource (the 'math' suite) or None;
   `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
   `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
-  (VllmOptions for 'vllm') or None."""
+  (VllmOptions for 'vllm') or None; `agent`: rollout/groups.AgentSource (the
+  'agentic' suite) or None."""
   seed: int
   n: int
   model_config: Any
@@ -61,6 +76,7 @@ class WorkerArgs:
   groups_per_call: int
   engine: str
   engine_options: Any
+  agent: Any = None
 
 
 def one_device_xla_flags(flags: str) -> str:
@@ -79,7 +95,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
-  from knittrans_jax.rollout.engine import EngineSpec
+  from knittrans_jax.rollout.agent_loop import EpisodeGroup, FailedGroup
+  from knittrans_jax.rollout.engine import EngineSpec, PromptSpec
   from knittrans_jax.rollout.engines import make_engine
   from knittrans_jax.rollout.groups import Suite
   from knittrans_jax.rollout.weights import WeightSubscriber
@@ -92,11 +109,15 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
     graphdef, template = nnx.split(model, nnx.Param)
     weights = WeightSubscriber(workdir, template)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
-    tasks = Suite(a.suite, a.math, a.vision)
+    tasks = Suite(a.suite, a.math, a.vision, a.agent)
+    # Agentic turns (n = 1 requests) batch by rows on the JAX engine: as many
+    # responses a call as groups_per_call groups have.
+    rows = a.groups_per_call * a.n if tasks.multi_turn else None
     spec = EngineSpec(a.engine, a.model_config, a.sampler_config, seed, a.groups_per_call,
                       a.engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"),
-                      tasks.prompt_spec)
-    rollout = None  # built on the first published weights
+                      tasks.prompt_spec if not tasks.multi_turn else PromptSpec(),
+                      rows_per_call=rows)
+    rollout = runner = None  # built on the first published weights
     held: dict[int, Any] = {}  # group id -> its task, which scores the finished group
     parent = multiprocessing.parent_process()
     while not stop.is_set():
@@ -115,6 +136,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
       if update is not None:
         if rollout is None:
           rollout = make_engine(spec, graphdef, update[1], update[0])
+          # What steps: the engine itself, or an agent loop over it.
+          runner = tasks.agent_loop(rollout, a.sampler_config) if tasks.multi_turn else rollout
         else:
           rollout.update_weights(*update)
       if rollout is None:
@@ -123,18 +146,28 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
         continue
       for gid, source in batch:
         held[gid] = tasks.task(seed, gid, source)
-      rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
+        if tasks.multi_turn:
+          tasks.start(runner, held[gid], seed, gid, a.n)
+      if not tasks.multi_turn:
+        rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
       # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
       # the weights and `stop`.
       deadline = time.perf_counter() + POLL_S
-      while rollout.busy:
-        for group in rollout.step():
-          rolled = tasks.rolled(held.pop(group.request.group_id), group)
+      while runner.busy:
+        for group in runner.step():
+          if isinstance(group, FailedGroup):
+            held.pop(group.group_id)
+            reports.put(GroupFailed(worker_id, group.group_id, group.reason))
+            continue
+          gid = group.group_id if isinstance(group, EpisodeGroup) else group.request.group_id
+          rolled = tasks.rolled(held.pop(gid), group)
           # The group's image is stored once, however many responses share it.
           metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
-          reports.put(GroupDone(worker_id, group.request.group_id, tuple(metas), group.seconds))
+          reports.put(GroupDone(worker_id, gid, tuple(metas), group.seconds))
         if time.perf_counter() > deadline:
           break
+    if runner is not None and runner is not rollout:
+      runner.close()
     if rollout is not None:
       rollout.close()
   except Exception:  # reported, then the process exits non-zero
