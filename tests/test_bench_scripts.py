@@ -214,3 +214,28 @@ def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
                         "configs/text_grpo_test.gin", "--config", "no colon here",
                         "--json", str(out)], capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "give 'NAME: binding" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_rollout_agentic_writes_its_json(tmp_path):
+  """The agentic workload on the JAX engine at toy size (8 groups of 4, short tools):
+  every group ends, the group-time distribution, busy fraction and turns are written,
+  and the turns follow the workload (one 'nearest' turn, 1-8 'hop' turns)."""
+  out = tmp_path / "agentic.json"
+  proc = subprocess.run([sys.executable, "scripts/bench_rollout.py", "--workload", "agentic",
+                         "--engines", "jax", "--groups", "8", "--in_flight", "4", "--json", str(out),
+                         "--gin_bindings", "TrainBatchSpec.group_size = 4",
+                         "--gin_bindings", "ToolLatency.median_s = 0.005",
+                         # fewer padded shapes to compile: 4 rows a call, contexts <= 40
+                         "--gin_bindings", "JobConfig.groups_per_call = 1",
+                         "--gin_bindings", "AgentConfig.max_tokens = 40"],
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.load(open(out))["engines"]["jax"]
+  assert r["groups"] == 8 and r["failed_groups"] == 0 and r["in_flight"] == 4
+  assert r["compiled_shapes"] > 0 and r["compiled_while_timed"] == 0
+  g = r["group_time_s"]
+  assert 0 < g["p50"] <= g["p90"] <= g["p99"] and r["p99_over_p50"] == g["p99"] / g["p50"]
+  assert 0 < r["engine_utilization"] <= r["busy_fraction"] <= 1
+  t = r["turns_per_episode"]
+  assert 1 <= t["p50"] <= t["max"] <= 8 and r["response_tokens"] > 0

@@ -222,6 +222,17 @@ COVER: dict[str, Cover] = {
     # docs/rollout.md
     ".venv/bin/python scripts/train.py --gin_file configs/text_grpo_vllm.gin --workdir runs/vllm":
         Cover("check", toy="tests/test_vllm_job.py"),
+    # docs/agents.md
+    ".venv/bin/python scripts/train.py --gin_file configs/agentic_tails.gin --workdir runs/agentic "
+    "--overwrite": Cover("check", toy="tests/test_agentic_job.py"),
+    ".venv/bin/python scripts/train.py --gin_file configs/agentic_vllm.gin --workdir "
+    "runs/agentic_vllm --overwrite": Cover("check", toy="tests/test_vllm_job.py"),
+    ".venv/bin/python scripts/train.py --gin_file configs/text_long_tails.gin --workdir "
+    "runs/long_tails --overwrite": Cover("check"),
+    ".venv/bin/python scripts/bench_rollout.py --workload agentic --in_flight 4,16,64 --json "
+    "runs/bench_rollout_agentic.json": Cover("check", toy="tests/test_bench_scripts.py"),
+    ".venv/bin/python scripts/bench_rollout.py --workload long_tails --json "
+    "runs/bench_rollout_long.json": Cover("check"),
     # docs/storage.md
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --mib 8 --reps 2 "
     "--image_reps 1 --growth_gb 4": Cover("check"),

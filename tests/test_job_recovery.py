@@ -11,9 +11,10 @@ import time
 
 import psutil
 import pytest
-from test_job import check_trained, finish, records, start, wait_for_steps
+from test_job import check_trained, finish, start, wait_for_steps
 
 from knittrans_jax import gin_cli
+from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.storage import TrajectoryStore
 
 pytestmark = pytest.mark.slow
@@ -24,7 +25,7 @@ def trained_groups(workdir):
   by_group = collections.defaultdict(list)
   for m in store.list_committed():
     by_group[m.group_id].append(m)
-  return [by_group[g] for r in records(workdir) for g in r["groups"]]
+  return [by_group[g] for r in read_metrics(str(workdir)) for g in r["groups"]]
 
 
 def test_resume_after_zero_signal_and_stale_drops_finishes(tmp_path):
@@ -113,7 +114,7 @@ def test_failures_around_a_step_then_resume_keep_train_batches_whole(tmp_path, m
     return real_step(self, w, apply)
 
   def keys():
-    return [(r["train_batch"], r["index"]) for r in records(work)]
+    return [(r["train_batch"], r["index"]) for r in read_metrics(str(work))]
   monkeypatch.setattr(StepPlanner, "__call__", plan_fails)
   _parse(work, *bindings)
   with pytest.raises(RuntimeError, match="admitting ahead"):

@@ -15,7 +15,9 @@ import time
 import numpy as np
 import psutil
 import pytest
-from test_job import finish, records, start, wait_for_steps
+from test_job import finish, start
+
+from knittrans_jax.job.metrics import read_metrics
 
 from knittrans_jax.storage import TrajectoryStore
 
@@ -48,7 +50,7 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
   out = finish(proc, timeout=300)
   assert "died" in out and "restarting" in out, out[-3000:]
   summary = json.load(open(work / "summary.json"))
-  recs = records(work)
+  recs = read_metrics(str(work))
   ids = [i for r in recs for i in r["ids"]]
   assert summary["steps"] == len(recs) == STEPS and summary["worker_restarts"] == 1
   assert summary["groups"].get("failed", 0) >= 1, summary["groups"]  # re-dispatched
@@ -68,3 +70,32 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
   assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in fresh), \
       [r["logprob_abs_diff_max"] for r in fresh]
   assert summary["logprob_abs_diff_max"] <= 1e-4
+
+
+def test_vllm_agentic_job(tmp_path):
+  """The agentic workload (configs/agentic_vllm.gin at the test size: multi-turn tool
+  episodes, each turn a vLLM request) in the synchronous mode: every episode trained
+  once as one trajectory, quotas kept, multi-turn episodes among them, and the
+  engine's log-probs over whole episodes equal the trainer's at lag 0."""
+  work = tmp_path / "run"
+  finish(start(work, "JobConfig.mode = 'synchronous'", "JobConfig.train_batches = 2",
+               "JobConfig.workers = 1", "TrainBatchSpec.group_size = 4",
+               "TrainBatchSpec.groups_per_batch = 8", "TrainBatchSpec.num_mini_batches = 2",
+               "TrainBatchSpec.source_quota = {'hop': 5, 'nearest': 3}",
+               "JobConfig.micro_batch_size = 8", "EvalConfig.every_steps = 0",
+               "ToolLatency.median_s = 0.01", gin_file="configs/agentic_vllm.gin"),
+         timeout=300)
+  summary = json.load(open(work / "summary.json"))
+  recs = read_metrics(str(work))
+  ids = [i for r in recs for i in r["ids"]]
+  assert summary["steps"] == len(recs) == 4 and len(ids) == len(set(ids)) == 4 * 16
+  assert summary["quota_violations"] == 0
+  metas = {m.id: m for m in TrajectoryStore.open("file://" + str(work / "store")).list_committed()}
+  trained = [metas[i] for i in ids]
+  # Multi-turn: a response longer than one turn (6 tokens) holds observations,
+  # which are not trained.
+  assert any(m.response_len > 6 and m.loss_tokens < m.response_len for m in trained)
+  fresh = [r for r in recs if r["lag0_tokens"]]
+  assert [r["step"] - 1 for r in fresh] == [0, 2]
+  assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in fresh), \
+      [r["logprob_abs_diff_max"] for r in fresh]

@@ -140,6 +140,24 @@ class JaxEngine(RolloutEngine):
                       (width, length))
     return done[:len(batch)]
 
+  def compile_shapes(self, max_prompt_len: int) -> int:
+    """Runs (so compiles) every shape a `rows_per_call` engine can meet with prompts of
+    up to `max_prompt_len` tokens, on throwaway rows; returns how many shapes that is.
+    A benchmark calls it first, so that no timed step compiles."""
+    if self.spec.rows_per_call is None:
+      raise ValueError("compile_shapes: an engine with EngineSpec.rows_per_call (agentic turns)")
+    widths = [1 << k for k in range(bucket(self.spec.rows_per_call, least=1).bit_length())]
+    lengths = ([self.spec.prompts.length] if self.spec.prompts.length else
+               [1 << k for k in range(MIN_BUCKET.bit_length() - 1,
+                                      bucket(max_prompt_len).bit_length())])
+    for w in widths:
+      for length in lengths:
+        if (w, length) not in self._compiled:
+          rows = [GroupRequest(-1 - k, "", np.full(length, 2, np.int32), 1, (k,))
+                  for k in range(w)]
+          self._call(rows, dataclasses.replace(self.spec.prompts, length=length), (w, length))
+    return len(widths) * len(lengths)
+
   @property
   def compiled_shapes(self) -> int:
     """Distinct sampler call shapes this engine ran (each compiled once)."""
