@@ -55,7 +55,7 @@ class Scripted(Environment):
       if self.fault == "raise":
         raise KeyError("the tool's table has no such key")
       if self.fault == "hang":
-        time.sleep(3.0)
+        time.sleep(1.0)
       if self.fault == "nan":
         return EnvStep(np.array([10], np.int32), float("nan"), False)
       if self.fault == "vocab":
@@ -201,6 +201,9 @@ def test_environment_faults_fail_their_group_only(model, fault, match):
   assert isinstance(out[7], FailedGroup) and out[7].source == "bad"
   assert "environment 'scripted', step 2" in out[7].reason and "group 7" in out[7].reason
   assert __import__("re").search(match.replace("step 1", "step 2"), out[7].reason), out[7].reason
+  deadline = time.time() + 2.0  # a hung environment closes once its call returns
+  while not all(e.closed for e in bad) and time.time() < deadline:
+    time.sleep(0.05)
   assert all(e.closed for e in bad)
   assert isinstance(out[8], EpisodeGroup) and all(len(e.turns) == 3 for e in out[8].episodes)
 
@@ -235,3 +238,70 @@ def test_row_buckets_compile_few_shapes(model):
   assert len(out) == 6
   # Row counts 1..8 and contexts 3..26 tokens: at most 4 row buckets x 2 length buckets.
   assert eng.compiled_shapes <= 8
+
+
+def test_a_failed_groups_turns_are_drained_and_never_reach_a_new_group(model):
+  """Episode 0's environment raises while episode 1's turn is in the engine: the loop
+  stays busy until the engine returns that turn, discards it, and a group added
+  again under the same id gets only its own turns."""
+  class Slow(Scripted):
+    def reset(self, task):
+      time.sleep(0.3)  # its first turn starts after the other episode's fails
+      return super().reset(task)
+
+  loop = AgentLoop(engine(model), AgentConfig(), vocab_size=64,
+                   max_new_tokens=SAMPLER.max_new_tokens)
+  loop.add(7, "s", [Scripted(turns=3, fault="raise", fault_at=1), Slow(turns=3)], None, (1, 2))
+  out = []
+  while not out:
+    out += loop.step()
+  assert isinstance(out[0], FailedGroup)
+  while loop.busy:  # the other episode's turn comes back and is dropped
+    assert loop.step() == []
+  assert not loop._turns and not loop.engine.busy
+  fresh = [Scripted(turns=2)]
+  loop.add(7, "s", fresh, None, (5,))
+  (again,) = loop.run()
+  loop.close()
+  assert isinstance(again, EpisodeGroup) and len(again.episodes[0].turns) == 2
+  assert [len(x) for x in fresh[0].seen] == [t.tokens.size for t in again.episodes[0].turns]
+
+
+def test_calls_that_cannot_start_time_out_and_envs_close_once_after_their_call(model):
+  """One environment thread, held by a hung call: the next group's reset cannot start
+  and fails after the timeout too; a hung environment is closed only once its call
+  returns, and exactly once."""
+  class Hang(Scripted):
+    closes = 0
+
+    def reset(self, task):
+      time.sleep(1.0)
+      return super().reset(task)
+
+    def close(self):
+      assert self.returned, "closed while its call was still running"
+      Hang.closes += 1
+
+    @property
+    def returned(self):
+      return self._returned
+
+  class Hang2(Hang):
+    _returned = False
+
+    def reset(self, task):
+      out = super().reset(task)
+      self._returned = True
+      return out
+
+  loop = AgentLoop(engine(model), AgentConfig(step_timeout_s=0.3, env_threads=1), vocab_size=64,
+                   max_new_tokens=SAMPLER.max_new_tokens)
+  hung = Hang2()
+  loop.add(0, "hung", [hung], None, (1,))
+  loop.add(1, "queued", [Scripted()], None, (2,))
+  out = {g.group_id: g for g in loop.run()}
+  assert "no answer within AgentConfig.step_timeout_s = 0.3 s" in out[0].reason
+  assert "no free environment thread" in out[1].reason
+  time.sleep(1.0)
+  assert Hang.closes == 1
+  loop.close()

@@ -315,8 +315,9 @@ def test_docs_scripts_parse_and_check_their_configs(places):
   todo = [{"cmd": _substituted(c, cov, places), "how": cov.how}
           for c, cov in COVER.items() if cov.how in ("check", "parse")]
   # And check mode's own test: a bad value fails, naming it (last: they share the child).
-  bad = [{"cmd": f"scripts/train.py --gin_file {TINY} --gin_bindings \"{binding}\"",
-          "how": "check", "expect": names} for binding, names in BAD_VALUES]
+  bad = [{"cmd": f"scripts/train.py --gin_file {gin} "
+                 + " ".join(f"--gin_bindings \"{b}\"" for b in bindings.split("; ")),
+          "how": "check", "expect": names} for bindings, names, gin in BAD_VALUES]
   todo += bad
   proc = subprocess.run([sys.executable, __file__], input=json.dumps(todo), cwd=ROOT,
                         capture_output=True, text=True, timeout=600,
@@ -332,10 +333,19 @@ def test_docs_scripts_parse_and_check_their_configs(places):
     assert r["error"] is not None and t["expect"] in r["error"], (t, r)
 
 
-BAD_VALUES = [
-    ("JobConfig.workers = 0", "JobConfig.workers = 0"),  # the job's own config
-    ("RayConfig.trainers = 0", "RayConfig.trainers = 0"),  # a bound config train.py builds later
-    ("SamplerConfig.temperature = 0.5", "LossConfig.temperature"),  # a rule across configs
+AGENTIC = "configs/agentic_tails.gin"
+BAD_VALUES = [  # (bindings, what the error names, gin file)
+    ("JobConfig.workers = 0", "JobConfig.workers = 0", TINY),  # the job's own config
+    ("RayConfig.trainers = 0", "RayConfig.trainers = 0", TINY),  # a bound config train.py builds later
+    ("SamplerConfig.temperature = 0.5", "LossConfig.temperature", TINY),  # a rule across configs
+    # The agentic suite: a budget without room for a turn; an injected hang that
+    # would not time out; faults where no worker replaces a group; seq_len too short.
+    ("AgentConfig.max_tokens = 8", "AgentConfig.max_tokens = 8 cannot hold", AGENTIC),
+    ("AgenticTaskConfig.fault_rate = 0.1; AgentConfig.step_timeout_s = 30.0",
+     "AgenticTaskConfig.hang_s = 30 must exceed", AGENTIC),
+    ("AgenticTaskConfig.fault_rate = 0.1; JobConfig.mode = 'colocated'",
+     "JobConfig.mode = 'colocated'", AGENTIC),
+    ("JobConfig.seq_len = 64", "AgentConfig.max_tokens = 80, an episode's longest", AGENTIC),
 ]
 
 

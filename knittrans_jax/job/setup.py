@@ -137,6 +137,8 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"vocabulary {vocab}")
   if s.math:
     s.math.suite().check_lengths()  # an over-long prompt is an error now, not mid-run
+  if s.agent is not None:
+    _check_agent(s)
   if cfg.seq_len < s.max_sequence_len:
     longest = (f"AgentConfig.max_tokens = {s.max_sequence_len}, an episode's longest context"
                if s.agent is not None else
@@ -156,6 +158,23 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"SamplerConfig.temperature = {s.sampler.temperature}: the "
                      "importance ratio would compare log-probs at two temperatures; set both "
                      "to the same value")
+
+
+def _check_agent(s: JobSetup) -> None:
+  """The agentic suite's budgets and fault injection, checked before any worker starts."""
+  loop, tasks_ = s.agent.loop, s.agent.tasks
+  if loop.max_tokens < s.prompt_len + s.sampler.max_new_tokens:
+    raise ValueError(f"AgentConfig.max_tokens = {loop.max_tokens} cannot hold a prompt of "
+                     f"{s.prompt_len} and one turn of SamplerConfig.max_new_tokens = "
+                     f"{s.sampler.max_new_tokens}")
+  if tasks_.fault_rate and tasks_.hang_s <= loop.step_timeout_s:
+    raise ValueError(f"AgenticTaskConfig.hang_s = {tasks_.hang_s:g} must exceed "
+                     f"AgentConfig.step_timeout_s = {loop.step_timeout_s:g}: an injected hang "
+                     "must time out")
+  if tasks_.fault_rate and s.cfg.mode == "colocated":
+    raise ValueError("AgenticTaskConfig.fault_rate with JobConfig.mode = 'colocated': the "
+                     "colocated generator has no worker to replace a failed group (a failed "
+                     "environment stops it); inject faults in the other modes")
 
 
 def checkpoint_dir(workdir: str) -> str:

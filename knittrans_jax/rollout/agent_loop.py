@@ -139,7 +139,7 @@ class _Call:
   """An environment call on the pool; `started` is set when a thread runs it."""
 
   def __init__(self, pool: cf.ThreadPoolExecutor, fn: Callable, *args):
-    self.started: float | None = None
+    self.submitted, self.started = time.perf_counter(), None
     self.seconds = 0.0
 
     def run():
@@ -166,6 +166,7 @@ class _Episode:
   pending: tuple | None = None  # the turn the call answers (tokens, logprobs, versions, reason, gen_s)
   end: str | None = None
   info: dict = dataclasses.field(default_factory=dict)
+  closed: bool = False
 
 
 @dataclasses.dataclass
@@ -175,6 +176,7 @@ class _Group:
   task: Any
   episodes: list[_Episode]
   added: float
+  seq: int  # which add this is (a turn of an earlier group of the same id is not ours)
   image: np.ndarray | None = None
 
 
@@ -188,8 +190,10 @@ class AgentLoop:
     self.vocab_size, self.max_new_tokens = vocab_size, max_new_tokens
     self.pool = cf.ThreadPoolExecutor(config.env_threads, thread_name_prefix="env")
     self.groups: dict[int, _Group] = {}
-    self._turns: dict[int, tuple[int, int]] = {}  # engine request id -> (group, episode)
-    self._next_request = 0
+    # engine request id -> (group id, its add's seq, episode); a failed group's turns
+    # stay here until the engine returns them, and are then discarded.
+    self._turns: dict[int, tuple[int, int, int]] = {}
+    self._next_request = self._adds = 0
     # Seconds the engine stepped; the loop stepped while the engine had turns (work_s);
     # the loop had episodes in flight (active_s).
     self.engine_s = self.work_s = self.active_s = 0.0
@@ -203,8 +207,9 @@ class AgentLoop:
       raise ValueError(f"group {group_id} is already in the agent loop")
     if len(envs) != len(seeds):
       raise ValueError(f"group {group_id}: {len(envs)} environments for {len(seeds)} seeds")
+    self._adds += 1
     g = _Group(group_id, source, task, [_Episode(e, s) for e, s in zip(envs, seeds)],
-               time.perf_counter(), image)
+               time.perf_counter(), self._adds, image)
     self.groups[group_id] = g
     for ep in g.episodes:
       ep.call = _Call(self.pool, ep.env.reset, task)
@@ -213,7 +218,8 @@ class AgentLoop:
 
   @property
   def busy(self) -> bool:
-    return bool(self.groups)
+    """Groups in flight, or turns of failed groups still in the engine."""
+    return bool(self.groups or self._turns)
 
   @property
   def busy_fraction(self) -> float | None:
@@ -251,7 +257,7 @@ class AgentLoop:
                 return_when=cf.FIRST_COMPLETED)
     out += self._take_env_answers()
     out += self._ended()
-    if not self.groups and self._since is not None:
+    if not self.busy and self._since is not None:
       self.active_s += time.perf_counter() - self._since
       self._since = None
     return out
@@ -290,10 +296,16 @@ class AgentLoop:
           continue
         step = len(ep.turns) + (ep.pending is not None)  # 0: reset
         if not c.future.done():
-          if c.started is not None and now - c.started > self.config.step_timeout_s:
+          timeout = self.config.step_timeout_s
+          if c.started is not None and now - c.started > timeout:
             failed.append(self._fail(g, EnvironmentError(
-                ep.env.name, step, f"no answer within AgentConfig.step_timeout_s = "
-                f"{self.config.step_timeout_s:g} s")))
+                ep.env.name, step, f"no answer within AgentConfig.step_timeout_s = {timeout:g} s")))
+            break
+          if c.started is None and now - c.submitted > timeout:  # hung calls hold every thread
+            failed.append(self._fail(g, EnvironmentError(
+                ep.env.name, step, f"no free environment thread for {timeout:g} s (all "
+                f"AgentConfig.env_threads = {self.config.env_threads} busy: calls that hang "
+                "past their timeout keep theirs)")))
             break
           continue
         ep.call, ep.env_s = None, ep.env_s + c.seconds
@@ -337,10 +349,22 @@ class AgentLoop:
       self._close_env(ep)
 
   def _close_env(self, ep: _Episode) -> None:
-    try:
-      ep.env.close()
-    except Exception:  # noqa: BLE001 (the episode's data is already taken)
-      pass
+    """Closes the episode's environment once, and never under a call still running
+    on a pool thread (then when that call returns)."""
+    if ep.closed:
+      return
+    ep.closed = True
+
+    def close(_=None):
+      try:
+        ep.env.close()
+      except Exception:  # noqa: BLE001 (the episode's data is already taken)
+        pass
+
+    if ep.call is not None and not ep.call.future.done():
+      ep.call.future.add_done_callback(close)
+    else:
+      close()
 
   def _fail(self, g: _Group, e: EnvironmentError) -> FailedGroup:
     del self.groups[g.group_id]
@@ -356,7 +380,7 @@ class AgentLoop:
         if ep.call is None and ep.end is None and ep.prompt is not None and not ep.generating:
           rid = self._next_request
           self._next_request += 1
-          self._turns[rid] = (g.group_id, i)
+          self._turns[rid] = (g.group_id, g.seq, i)
           ep.generating = True
           requests.append(GroupRequest(rid, g.source, np.asarray(ep.context, np.int32), 1,
                                        (turn_seed(ep.seed, len(ep.turns)),), image=g.image))
@@ -364,9 +388,9 @@ class AgentLoop:
       self.engine.add(requests)
 
   def _turn_done(self, fg) -> None:
-    gid, i = self._turns.pop(fg.request.group_id)
+    gid, seq, i = self._turns.pop(fg.request.group_id)
     g = self.groups.get(gid)
-    if g is None:
+    if g is None or g.seq != seq:
       return  # the group failed meanwhile: its turns are discarded
     ep, r = g.episodes[i], fg.responses[0]
     ep.generating = False

@@ -122,7 +122,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
     parent = multiprocessing.parent_process()
     while not stop.is_set():
       # Take what is queued; wait a little for it only while the engine is idle.
-      batch, idle = [], rollout is None or not rollout.busy
+      batch, idle = [], runner is None or not runner.busy
       try:
         batch.append(requests.get(timeout=0.2) if idle else requests.get_nowait())
         while batch[-1] is not None:
