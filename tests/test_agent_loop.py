@@ -229,15 +229,18 @@ class _NoEngine:
 
 
 def test_row_buckets_compile_few_shapes(model):
-  assert [bucket(n) for n in (1, 8, 9, 17, 64)] == [8, 8, 16, 32, 64]
+  assert [bucket(n) for n in (1, 8, 9, 17, 64)] == [16, 16, 16, 32, 64]
+  assert [bucket(n, least=4) for n in (1, 5, 8)] == [4, 8, 8]
   eng = engine(model, rows=8)
   loop = AgentLoop(eng, AgentConfig(), vocab_size=64, max_new_tokens=SAMPLER.max_new_tokens)
   for g in range(6):
     loop.add(g, "s", [Scripted(k=g, turns=1 + g % 4) for _ in range(3)], None, (g, g + 9, g + 18))
   out = run(loop)
   assert len(out) == 6
-  # Row counts 1..8 and contexts 3..26 tokens: at most 4 row buckets x 2 length buckets.
-  assert eng.compiled_shapes <= 8
+  # Row counts 1..8 and contexts 3..26 tokens: 2 row buckets (4, 8) x 2 length
+  # buckets (16, 32); compile_shapes then runs every shape up to 32 tokens, no more.
+  assert eng.compiled_shapes <= 4
+  assert eng.compile_shapes(32) == 4 and eng.compiled_shapes == 4
 
 
 def test_a_failed_groups_turns_are_drained_and_never_reach_a_new_group(model):

@@ -28,7 +28,8 @@ from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupReques
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
 _keys = jax.jit(jax.vmap(jax.random.key))
-MIN_BUCKET = 8
+MIN_BUCKET = 16  # the shortest padded prompt length
+MIN_ROWS = 4  # the fewest padded rows a call (fewer shapes; a dummy row costs little)
 
 
 def bucket(n: int, least: int = MIN_BUCKET) -> int:
@@ -132,7 +133,7 @@ class JaxEngine(RolloutEngine):
       batch.append(self.queue.pop(0))
       rows += batch[-1].n
     length = self.spec.prompts.length or bucket(max(r.prompt.size for r in batch))
-    width = bucket(rows, least=1)
+    width = bucket(rows, least=self._min_rows)
     first = batch[0]
     pad = [dataclasses.replace(first, group_id=-1 - k, n=1, seeds=(k,))
            for k in range(width - rows)]
@@ -146,7 +147,8 @@ class JaxEngine(RolloutEngine):
     A benchmark calls it first, so that no timed step compiles."""
     if self.spec.rows_per_call is None:
       raise ValueError("compile_shapes: an engine with EngineSpec.rows_per_call (agentic turns)")
-    widths = [1 << k for k in range(bucket(self.spec.rows_per_call, least=1).bit_length())]
+    top = bucket(self.spec.rows_per_call, least=self._min_rows)
+    widths = [1 << k for k in range(self._min_rows.bit_length() - 1, top.bit_length())]
     lengths = ([self.spec.prompts.length] if self.spec.prompts.length else
                [1 << k for k in range(MIN_BUCKET.bit_length() - 1,
                                       bucket(max_prompt_len).bit_length())])
@@ -157,6 +159,10 @@ class JaxEngine(RolloutEngine):
                   for k in range(w)]
           self._call(rows, dataclasses.replace(self.spec.prompts, length=length), (w, length))
     return len(widths) * len(lengths)
+
+  @property
+  def _min_rows(self) -> int:
+    return min(MIN_ROWS, bucket(self.spec.rows_per_call, least=1))
 
   @property
   def compiled_shapes(self) -> int:
