@@ -4,7 +4,10 @@ id, source) requests and return Finished / Failed events.
 WorkerPool      `workers` rollout processes on this host (spawned, one CPU device
                 each). A dead one is restarted: the groups it held that are fully
                 committed in its unit count as finished, the rest are reported
-                failed (the controller replaces them). On Ray the workers are actors
+                failed (the controller replaces them). A worker that dies
+                MAX_COLD_DEATHS times in a row without finishing a group cannot
+                start: the run stops with its last error, not after the stall
+                timeout of restarts. On Ray the workers are actors
                 (cluster/rollout_actors.RayWorkerPool, the same protocol).
 ColocatedPool   no workers: `poll` generates the requested groups in this process
                 with the trainer's current weights, then reports them (the colocated
@@ -21,6 +24,8 @@ from typing import Callable
 from knittrans_jax.job.roles import Failed, Finished
 from knittrans_jax.rollout.worker import GroupDone, GroupFailed, WorkerArgs, WorkerError, worker_main
 from knittrans_jax.storage import TrajectoryStore
+
+MAX_COLD_DEATHS = 3  # deaths in a row before a worker's first group: it cannot start
 
 
 def release(store: TrajectoryStore, held: dict, w: int, n: int, why: str) -> list:
@@ -53,6 +58,8 @@ class WorkerPool:
     self.requests: dict[int, mp.Queue] = {}
     self.held: dict[int, tuple[int, str]] = {}  # group id -> (worker, source)
     self.restarts = 0
+    self.cold_deaths = collections.Counter()  # worker -> deaths since it last finished a group
+    self.last_error: dict[int, str] = {}
     for w in range(workers):
       self._start(w)
 
@@ -86,6 +93,12 @@ class WorkerPool:
         msg = None
     for w, p in list(self.procs.items()):
       if not p.is_alive():
+        self.cold_deaths[w] += 1
+        if self.cold_deaths[w] >= MAX_COLD_DEATHS:
+          raise RuntimeError(
+              f"rollout worker {w} died {self.cold_deaths[w]} times in a row without finishing "
+              f"a group (last exit code {p.exitcode}): it cannot start; its last error:\n"
+              f"{self.last_error.get(w, '(none reported)')}")
         self.log(f"\nrollout worker {w} died (exit code {p.exitcode}); restarting it")
         self.restarts += 1
         events += self._release(w)
@@ -95,7 +108,9 @@ class WorkerPool:
   def _handle(self, msg: GroupDone | GroupFailed | WorkerError) -> list:
     if isinstance(msg, WorkerError):
       self.log(f"\nrollout worker {msg.worker} failed:\n{msg.message}")
+      self.last_error[msg.worker] = msg.message
       return []
+    self.cold_deaths[msg.worker] = 0
     if self.held.pop(msg.group_id, None) is None:
       return []  # already released (its worker was lost): reported from the store then
     if isinstance(msg, GroupFailed):
