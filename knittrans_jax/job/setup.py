@@ -26,8 +26,6 @@ from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
-from knittrans_jax.rollout.agent_loop import AgentConfig
-from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
 from knittrans_jax.rollout.groups import AgentSource, MathSource, suite_prompt_len, suite_sources
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
@@ -111,7 +109,7 @@ def job_setup(cfg: JobConfig) -> JobSetup:
   qwen = QwenVisionTasks.of(vision)
   sources = suite_sources(cfg.suite, math)
   quota = cfg.spec.source_quota
-  agent = AgentSource(AgenticTaskConfig(), AgentConfig()) if cfg.suite == "agentic" else None
+  agent = AgentSource.configured() if cfg.suite == "agentic" else None
   setup = JobSetup(
       cfg=cfg, model=model_config(cfg), sampler=sampler, loss=LossConfig(), vision=vision,
       qwen=qwen, math=math, sources=sources,

@@ -21,9 +21,8 @@ from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.rollout import agentic_tasks, math_tasks, tasks, vision_tasks
 from knittrans_jax.rollout.agent_loop import AgentConfig, AgentLoop, EpisodeGroup, FailedGroup
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
-from knittrans_jax.rollout.engine import (FinishedGroup, GroupRequest, PromptSpec, ToolInsert,
-                                          response_seeds)
-from knittrans_jax.rollout.engine import EngineSpec
+from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest, PromptSpec,
+                                          ToolInsert, response_seeds)
 from knittrans_jax.rollout.jax_engine import JaxEngine, generate_groups
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.storage import Image
@@ -51,6 +50,11 @@ class AgentSource:
   step timeout)."""
   tasks: agentic_tasks.AgenticTaskConfig = agentic_tasks.AgenticTaskConfig()
   loop: AgentConfig = AgentConfig()
+
+  @classmethod
+  def configured(cls) -> "AgentSource":
+    """Both configs as gin binds them (the job's set-up, the rollout benchmark)."""
+    return cls(agentic_tasks.AgenticTaskConfig(), AgentConfig())
 
 
 def suite_sources(suite: str, math: MathSource | None = None) -> tuple[str, ...]:

@@ -149,9 +149,7 @@ class SkyrlEnv(Environment):
     return np.asarray(self.tok.encode(tail + nxt[len(closed):]), np.int32)
 
   def close(self) -> None:
-    close = getattr(self.env, "close", None)
-    if close is not None:
-      close()
+    self.env.close()  # BaseTextEnv.close: a no-op unless the env holds something
 
 
 def skyrl_environment(env: str | type, task: TextTask, tokenizer: Tokenizer,
