@@ -12,6 +12,17 @@ import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
+class TurnSpan:
+  """One generated turn of a multi-turn trajectory (an agent episode): its response
+  tokens [start, end) (offsets into the response, the observation that follows it
+  not included) and the oldest and newest policy versions that generated them."""
+  start: int
+  end: int
+  version_first: int
+  version_last: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Trajectory:
   """One finished response, as a rollout worker hands it to its storage unit.
 
@@ -19,6 +30,11 @@ class Trajectory:
   with the full sequence (prompt positions get log-prob 0 and mask 0).
   `versions` lists the policy versions that generated it (several if weights changed
   mid-response); v_gen is the oldest.
+  An agent episode is one trajectory: its response is every turn and every
+  observation in order (observations with loss mask 0), `turns` says where each
+  turn lies and which versions generated it, and `gen_seconds` / `env_seconds` the
+  wall time its engine requests and its environment steps took. A single
+  generation has no turns and, where nobody timed it, zero seconds.
   """
   prompt_tokens: np.ndarray  # [P] integer
   response_tokens: np.ndarray  # [R] integer
@@ -30,6 +46,9 @@ class Trajectory:
   index_in_group: int
   versions: Sequence[int]
   image_ids: Sequence[str] = ()
+  turns: Sequence[TurnSpan] = ()
+  gen_seconds: float = 0.0
+  env_seconds: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,6 +69,12 @@ class TrajMeta:
   # Response tokens with loss mask 1 (storage format 4); None: every response token
   # (units of older formats, which did not count them).
   loss_tokens: int | None = None
+  # Storage format 5: an episode's turns (empty: a single generation, or an older
+  # format) and the seconds it spent generating and in its environment (microsecond
+  # resolution; 0 where not timed or not stored).
+  turns: tuple[TurnSpan, ...] = ()
+  gen_seconds: float = 0.0
+  env_seconds: float = 0.0
 
   @property
   def id(self) -> str:

@@ -145,6 +145,12 @@ def test_versions_per_turn(model):
   assert [a for a, b in got] == sorted(a for a, b in got) and all(a == b for a, b in got)
   assert ep.versions == tuple(sorted({a for a, _ in got}))
   assert len(ep.versions) > 1  # the weights changed between turns
+  # What the store keeps of each turn: where it lies in the response, its versions.
+  _, _, mask = ep.response()
+  edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(int), [0]])))
+  spans = ep.turn_spans()
+  assert [(s.start, s.end) for s in spans] == list(zip(edges[0::2], edges[1::2]))
+  assert [(s.version_first, s.version_last) for s in spans] == got
 
 
 def test_budget_and_max_turns_end_an_episode(model):

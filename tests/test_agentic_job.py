@@ -48,7 +48,24 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
     for a, b in zip(starts, ends):
       assert resp[a] == tasks.RESULT and resp[b - 1] == tasks.SEP and b - a == 3
     turns.append(len(starts) + 1)
+    # The stored turns are exactly the trained runs, each with its versions and time.
+    trained = np.flatnonzero(np.diff(np.concatenate([[0], rmask.astype(int), [0]])))
+    assert [(t.start, t.end) for t in m.turns] == list(zip(trained[0::2], trained[1::2]))
+    assert m.turns[0].version_first == m.version_first
+    assert max(t.version_last for t in m.turns) == m.version_last
+    assert m.gen_seconds > 0 and m.env_seconds > 0
   assert max(turns) > 1  # multi-turn episodes were trained
+  assert summary["turns_per_episode"] == pytest.approx(np.mean([
+      len(metas[i].turns) for i in ids]), rel=1e-6)
+  # Each turn's architectural staleness, from its own first version, is in the step's record.
+  turn_arch = []
+  for r in recs:
+    expect = [r["step"] - 1 - t.version_first - r["index"] for i in r["ids"]
+              for t in metas[i].turns]
+    assert r["turn_arch"] == expect
+    turn_arch += expect
+  assert summary["turn_arch_staleness_mean"] == pytest.approx(np.maximum(turn_arch, 0).mean())
+  assert summary["episode_env_s_mean"] > 0 and summary["episode_gen_s_mean"] > 0
   # The engine's log-probs over whole episodes agree with the trainer's.
   assert summary["logprob_abs_diff_max"] < 1e-4
   rewards = [r["reward"] for r in recs]

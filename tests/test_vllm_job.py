@@ -66,6 +66,11 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
   # are not trained.
   metas = {m.id: m for m in TrajectoryStore.open("file://" + str(work / "store")).list_committed()}
   assert any(m.response_len > 6 and m.loss_tokens < m.response_len for m in map(metas.get, ids))
+  # Each episode's turns are stored: the loss tokens are exactly the turns' tokens.
+  trained = [metas[i] for i in ids]
+  assert all(m.turns and m.loss_tokens == sum(t.end - t.start for t in m.turns)
+             and m.gen_seconds > 0 for m in trained)
+  assert summary["turns_per_episode"] > 1
   # Learning: the mean reward of the last 8 steps over the first 8 (0.063 -> 0.113
   # without the kill, tool median 50 ms, when this test was written).
   rewards = [r["reward"] for r in recs]

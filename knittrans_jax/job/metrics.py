@@ -78,6 +78,7 @@ class MetricsLog:
     with open(self.path, "w") as f:
       f.writelines(json.dumps(r) + "\n" for r in self.records)
     self.arch: list[int] = [a for r in self.records for a in r.get("arch", [])]
+    self.turn_arch: list[int] = [a for r in self.records for a in r.get("turn_arch", [])]
     self.batch_counts = collections.defaultdict(collections.Counter)
     for r in self.records:
       self.batch_counts[r["train_batch"]].update(r["source_counts"])
@@ -108,6 +109,7 @@ class MetricsLog:
     self.eval_s += eval_s
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
+    episodes = [m for m in metas if m.turns]
     tokens = max(sums.get("tokens", 0.0), 1.0)
     counts = collections.Counter(grp.source for grp in mb.groups)
     self.batch_counts[mb.train_batch].update(counts)
@@ -132,6 +134,13 @@ class MetricsLog:
         "local_fraction": local_fraction,
         "time_s": time.perf_counter() - self.t0, "eval_s": self.eval_s,
     }
+    if episodes:  # agent episodes: turns, their own staleness, where the time went
+      turn_arch = [v_consume - t.version_first - mb.index for m in episodes for t in m.turns]
+      self.turn_arch += turn_arch
+      rec.update(episodes=len(episodes), turns=float(np.mean([len(m.turns) for m in episodes])),
+                 turn_arch=turn_arch,
+                 gen_s=float(np.mean([m.gen_seconds for m in episodes])),
+                 env_s=float(np.mean([m.env_seconds for m in episodes])))
     self.records.append(rec)
     with open(self.path, "a") as f:
       f.write(json.dumps(rec) + "\n")
@@ -154,6 +163,20 @@ class MetricsLog:
 
   def close(self) -> None:
     self.tb.close()
+
+  def _episodes(self) -> dict:
+    """Agent episodes over the run (empty when it had none): turns per episode, the
+    seconds an episode spent generating and in its environment, and the
+    architectural staleness of each turn (v_consume - the turn's first version - j),
+    lower than its episode's where later turns ran on fresher weights."""
+    recs = [r for r in self.records if "turns" in r]
+    if not recs:
+      return {}
+    w = np.asarray([r["episodes"] for r in recs], float)  # per-step means, weighted
+    mean = lambda key: float(np.average([r[key] for r in recs], weights=w))
+    return {"turns_per_episode": mean("turns"), "episode_gen_s_mean": mean("gen_s"),
+            "episode_env_s_mean": mean("env_s"),
+            "turn_arch_staleness_mean": float(np.mean(np.maximum(self.turn_arch, 0)))}
 
   def summary(self, **extra) -> dict:
     steps = len(self.records)
@@ -182,5 +205,6 @@ class MetricsLog:
         "logprob_abs_diff_mean": (sum(r["logprob_abs_diff_mean"] * r["lag0_tokens"] for r in lag0)
                                   / n0 if n0 else None),
         "logprob_abs_diff_max": max((r["logprob_abs_diff_max"] for r in lag0), default=None),
+        **self._episodes(),
         **extra,
     }

@@ -37,6 +37,7 @@ import gin
 import numpy as np
 
 from knittrans_jax.rollout.engine import GroupRequest, RolloutEngine
+from knittrans_jax.types import TurnSpan
 from knittrans_jax.rollout.environment import (Environment, EnvironmentError, checked_ids,
                                                checked_step)
 
@@ -77,7 +78,8 @@ class Turn:
   """One generated turn: its tokens (the stop token included) and behaviour log-probs,
   the (first, last) weight version that generated them, the observation the
   environment answered with (empty after the last turn) and the seconds the turn's
-  engine request and its environment step took."""
+  engine request (from sent to answered: waiting behind other episodes' turns
+  included, as the episode waits) and its environment step took."""
   tokens: np.ndarray
   logprobs: np.ndarray
   versions: tuple[int, int]
@@ -117,6 +119,14 @@ class Episode:
   @property
   def versions(self) -> tuple[int, ...]:
     return tuple(sorted({v for t in self.turns for v in t.versions}))
+
+  def turn_spans(self) -> tuple[TurnSpan, ...]:
+    """Where each turn lies in `response()` and the versions that generated it."""
+    spans, pos = [], 0
+    for t in self.turns:
+      spans.append(TurnSpan(pos, pos + t.tokens.size, *t.versions))
+      pos += t.tokens.size + t.observation.size
+    return tuple(spans)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,9 +200,9 @@ class AgentLoop:
     self.vocab_size, self.max_new_tokens = vocab_size, max_new_tokens
     self.pool = cf.ThreadPoolExecutor(config.env_threads, thread_name_prefix="env")
     self.groups: dict[int, _Group] = {}
-    # engine request id -> (group id, its add's seq, episode); a failed group's turns
-    # stay here until the engine returns them, and are then discarded.
-    self._turns: dict[int, tuple[int, int, int]] = {}
+    # engine request id -> (group id, its add's seq, episode, when sent); a failed
+    # group's turns stay here until the engine returns them, and are then discarded.
+    self._turns: dict[int, tuple[int, int, int, float]] = {}
     self._next_request = self._adds = 0
     # Seconds the engine stepped; the loop stepped while the engine had turns (work_s);
     # the loop had episodes in flight (active_s).
@@ -380,7 +390,7 @@ class AgentLoop:
         if ep.call is None and ep.end is None and ep.prompt is not None and not ep.generating:
           rid = self._next_request
           self._next_request += 1
-          self._turns[rid] = (g.group_id, g.seq, i)
+          self._turns[rid] = (g.group_id, g.seq, i, time.perf_counter())
           ep.generating = True
           requests.append(GroupRequest(rid, g.source, np.asarray(ep.context, np.int32), 1,
                                        (turn_seed(ep.seed, len(ep.turns)),), image=g.image))
@@ -388,15 +398,14 @@ class AgentLoop:
       self.engine.add(requests)
 
   def _turn_done(self, fg) -> None:
-    gid, seq, i = self._turns.pop(fg.request.group_id)
+    gid, seq, i, sent = self._turns.pop(fg.request.group_id)
     g = self.groups.get(gid)
     if g is None or g.seq != seq:
       return  # the group failed meanwhile: its turns are discarded
     ep, r = g.episodes[i], fg.responses[0]
     ep.generating = False
     ep.pending = (np.asarray(r.tokens, np.int32), np.asarray(r.logprobs, np.float32),
-                  tuple(r.versions), r.finish_reason,
-                  0.0 if fg.seconds is None else float(fg.seconds))
+                  tuple(r.versions), r.finish_reason, time.perf_counter() - sent)
     ep.call = _Call(self.pool, ep.env.step, ep.pending[0])
 
   def _ended(self) -> list[EpisodeGroup]:

@@ -208,7 +208,8 @@ class Suite:
       return RolledGroup([
           Trajectory(prompt_tokens=ep.prompt, response_tokens=tokens, logprobs=logprobs,
                      loss_mask=mask, reward=ep.reward, source=group.source,
-                     group_id=group.group_id, index_in_group=i, versions=ep.versions)
+                     group_id=group.group_id, index_in_group=i, versions=ep.versions,
+                     turns=ep.turn_spans(), gen_seconds=ep.gen_s, env_seconds=ep.env_s)
           for i, ep in enumerate(group.episodes)
           for tokens, logprobs, mask in [ep.response()]], [])
     req = group.request
@@ -223,7 +224,8 @@ class Suite:
                               else ~np.asarray(r.inserted, bool)),
                    reward=score(task, r.tokens),
                    source=req.source, group_id=req.group_id, index_in_group=i,
-                   versions=tuple(sorted(set(r.versions))), image_ids=ids)
+                   versions=tuple(sorted(set(r.versions))), image_ids=ids,
+                   gen_seconds=group.seconds or 0.0)  # the group's decode time, if timed
         for i, r in enumerate(group.responses)], images)
 
 

@@ -18,12 +18,13 @@ class Commit:
   refs: int = 0
   images: int = 0
   image_bytes: int = 0
+  turns: int = 0  # rows of the `turns` table (format 5)
   format: int = L.FORMAT_VERSION  # what the unit was written with (layout, image ids)
 
   def to_array(self) -> np.ndarray:
     out = np.zeros(L.COMMIT_LEN, np.int64)
-    out[[L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES]] = (
-        self.format, self.rows, self.tokens, self.refs, self.images, self.image_bytes)
+    out[[L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES, L.C_TURNS]] = (
+        self.format, self.rows, self.tokens, self.refs, self.images, self.image_bytes, self.turns)
     return out
 
 
@@ -50,7 +51,7 @@ def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -
                                "(check it out to read or convert the run)" if old else ""))
   commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),
                   images=int(raw[L.C_IMAGES]), image_bytes=int(raw[L.C_IMAGE_BYTES]),
-                  format=int(raw[L.C_FORMAT]))
+                  turns=int(raw[L.C_TURNS]), format=int(raw[L.C_FORMAT]))
   if min(dataclasses.astuple(commit)) < 0:
     raise CorruptUnitError(unit, f"negative extent in commit marker {commit}")
   return commit

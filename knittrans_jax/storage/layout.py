@@ -11,6 +11,9 @@ chunks written on demand, so appends never rewrite array metadata):
   rows                          int64 [rows, ROW_COLS] per-trajectory columns
   reward                        float64 [rows]
   image_refs                    int64 jagged: image-table indices of each row
+  turns                         int64 [turns, TURN_COLS] jagged: each episode row's
+                                turns (response-token start, end, first and
+                                last version); format 5
   images/data                   uint8 jagged: raw image bytes, each image once
   images/index                  int64 [images, IMG_COLS]: byte end, dtype, shape
   images/hash                   uint8 [images, HASH_BYTES]: content hash (= id)
@@ -26,7 +29,16 @@ metadata alone (job/work.py). Units of formats 1-3 have no such column; their
 TrajMeta.loss_tokens is None ("every response token", what the job then assumed), and
 the trainer refuses a payload whose mask says otherwise.
 
-Units of format 3 are read, not appended to (unless empty). Formats 1 and 2 (the
+Format 5 adds what an agent episode carries beyond a single generation: the
+`turns` table (where each turn lies in the response and the versions that
+generated it) and three `rows` columns: TURN_END (the jagged end into `turns`),
+GEN_US and ENV_US (microseconds generating and in the environment). The per-turn
+versions cannot live in `rows` (a row has as many turns as its episode took), and
+a per-token version plane in `sequences` would cost 4 bytes a token to say what
+a few numbers a turn say. Units of format 4 are read as having no turns and no
+timings.
+
+Units of formats 3 and 4 are read, not appended to (unless empty). Formats 1 and 2 (the
 three planes as three arrays; format 1's blake2b image ids) are refused with the
 commit to read them with (storage/commit.py). One file per chunk for all three cuts
 the files an append writes and a read opens by three (docs/storage.md, Measured).
@@ -44,12 +56,13 @@ import numpy as np
 import tensorstore as ts
 
 from knittrans_jax.storage.schema import StoreSchema
+from knittrans_jax.types import TurnSpan
 
 # Format 4 adds the LOSS_TOKENS row column to format 3 (the sequences in one planar
-# array, images keyed by xxh3-128). Format 3 units are read; a writer appends to one
-# only while it is empty.
-FORMAT_VERSION = 4
-READABLE_FORMATS = (3, 4)
+# array, images keyed by xxh3-128); format 5 the `turns` table and its row columns.
+# Units of formats 3 and 4 are read; a writer appends to one only while it is empty.
+FORMAT_VERSION = 5
+READABLE_FORMATS = (3, 4, 5)
 LAST_READER_OF = {1: "c68bd4c", 2: "c68bd4c"}  # the last commit that reads formats 1-2
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
@@ -57,15 +70,26 @@ HASH_BYTES = 16
 # Columns of `rows`. End offsets make the arrays jagged: row r spans
 # [end[r-1], end[r]) with end[-1] = 0.
 (TOK_END, PROMPT_LEN, RESPONSE_LEN, SOURCE, GROUP_ID, INDEX_IN_GROUP, V_FIRST,
- V_LAST, REF_END, LOSS_TOKENS) = range(10)
+ V_LAST, REF_END, LOSS_TOKENS, TURN_END, GEN_US, ENV_US) = range(13)
 
 
 def row_cols(format_version: int) -> int:
-  """Columns of `rows` in units of a format (LOSS_TOKENS from format 4)."""
-  return 10 if format_version >= 4 else 9
+  """Columns of `rows` in units of a format (LOSS_TOKENS from format 4, TURN_END,
+  GEN_US and ENV_US from format 5)."""
+  return {3: 9, 4: 10}.get(format_version, 13)
+
+
+# Columns of `turns`: response-token offsets [start, end) and versions of a turn.
+TURN_START, TURN_STOP, TURN_V_FIRST, TURN_V_LAST = range(4)
+TURN_COLS = 4
 
 
 ROW_COLS = row_cols(FORMAT_VERSION)
+
+def turn_spans(table: np.ndarray, starts, counts) -> list[tuple[TurnSpan, ...]]:
+  """Each row's turns: its slice [start, start + count) of rows of a `turns` table."""
+  return [tuple(TurnSpan(*map(int, t)) for t in table[s:s + n]) for s, n in zip(starts, counts)]
+
 
 # Columns of `images/index`.
 IMG_BYTE_END, IMG_DTYPE, IMG_NDIM, IMG_DIM0 = 0, 1, 2, 3
@@ -73,8 +97,8 @@ IMG_MAX_NDIM = 4
 IMG_COLS = IMG_DIM0 + IMG_MAX_NDIM
 
 # Fields of the commit marker.
-C_FORMAT, C_ROWS, C_TOKENS, C_REFS, C_IMAGES, C_IMAGE_BYTES = range(6)
-COMMIT_LEN = 8
+C_FORMAT, C_ROWS, C_TOKENS, C_REFS, C_IMAGES, C_IMAGE_BYTES, C_TURNS = range(7)
+COMMIT_LEN = 8  # format 4 left fields 6 and 7 zero, so C_TURNS reads 0 there
 
 # Image dtypes the table accepts, by code.
 IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16),
@@ -106,7 +130,8 @@ def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray
 
 
 PAYLOAD_ARRAYS = ("sequences",)  # the arrays that hold the sequences
-FORMAT_ARRAYS = ("rows",)  # the arrays whose spec depends on the format (row_cols)
+# The arrays whose spec (or existence: `turns` from format 5) depends on the format.
+FORMAT_ARRAYS = ("rows", "turns")
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -242,6 +267,8 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
       "images/hash": array_spec(j("images/hash"), "uint8", [M, HASH_BYTES], [rc, HASH_BYTES],
                                 0, True),
       "commit": array_spec(j("commit"), "int64", [COMMIT_LEN], [COMMIT_LEN], 0, True),
+      **({"turns": array_spec(j("turns"), "int64", [M, TURN_COLS], [rc, TURN_COLS],
+                              ROWS_FILL, True)} if format_version >= 5 else {}),
   }
 
 

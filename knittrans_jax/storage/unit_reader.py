@@ -149,6 +149,7 @@ class UnitReader:
         or (commit.format >= 4 and (rows[:, L.LOSS_TOKENS] > rows[:, L.RESPONSE_LEN]).any())):
       raise CorruptUnitError(self.unit, f"row columns [{start}, {stop}) are inconsistent "
                              "(a chunk is missing or damaged)")
+    turns = self._turns(commit, rows, prev) if commit.format >= 5 else [()] * (stop - start)
     refs = np.zeros(0, np.int64)
     if ref_end[-1] > ref_start[0]:
       refs = self._result(self._read("image_refs", int(ref_start[0]), int(ref_end[-1])),
@@ -170,8 +171,30 @@ class UnitReader:
         index_in_group=int(rows[r, L.INDEX_IN_GROUP]), version_first=int(rows[r, L.V_FIRST]),
         version_last=int(rows[r, L.V_LAST]), reward=float(reward[r]),
         image_ids=tuple(self._image_ids[i] for i in refs[ref_start[r] - base:ref_end[r] - base]),
-        loss_tokens=loss[r])
+        loss_tokens=loss[r], turns=turns[r],
+        **({"gen_seconds": int(rows[r, L.GEN_US]) / 1e6, "env_seconds": int(rows[r, L.ENV_US]) / 1e6}
+           if commit.format >= 5 else {}))
         for r in range(stop - start)]
+
+  def _turns(self, commit: Commit, rows: np.ndarray, prev: np.ndarray) -> list[tuple]:
+    """The turns of listed rows (format 5), checked against their rows."""
+    end = rows[:, L.TURN_END]
+    start = np.concatenate([[prev[L.TURN_END]], end[:-1]])
+    if (end < start).any() or end[-1] > commit.turns:
+      raise CorruptUnitError(self.unit, "turn ends of rows are inconsistent with the commit "
+                             f"marker ({commit.turns} turns committed)")
+    if end[-1] == start[0]:
+      return [()] * len(rows)
+    table = self._result(self._read("turns", int(start[0]), int(end[-1])), "turns")
+    owner = np.repeat(np.arange(len(rows)), end - start)
+    lo, hi = table[:, L.TURN_START], table[:, L.TURN_STOP]
+    v0, v1 = table[:, L.TURN_V_FIRST], table[:, L.TURN_V_LAST]
+    if ((lo < 0).any() or (lo >= hi).any() or (hi > rows[owner, L.RESPONSE_LEN]).any()
+        or (v0 > v1).any() or (v0 < rows[owner, L.V_FIRST]).any()
+        or (v1 > rows[owner, L.V_LAST]).any()):
+      raise CorruptUnitError(self.unit, "the turns table disagrees with its rows (a chunk is "
+                             "missing or damaged)")
+    return L.turn_spans(table, start - start[0], end - start)
 
   def image_row(self, image_id: str) -> int:
     """The image table row that holds `image_id` (with dedup, its only copy)."""

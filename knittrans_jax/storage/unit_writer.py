@@ -45,13 +45,14 @@ class UnitWriter:
       raise StoreError(f"unit '{unit}' holds {c.rows} trajectories and {c.images} images in "
                        f"format {c.format}; this version writes format {L.FORMAT_VERSION} (the "
                        "sequences in one planar array, images keyed by xxh3-128, loss tokens "
-                       "counted) and does not mix formats in a unit: read it as it is, and "
+                       "counted, episode turns and timings) and does not mix formats in a unit: "
+                       "read it as it is, and "
                        "write new rollouts to a new unit or store")
     # Opened only now: a unit of an older format must not get this format's arrays.
     # An empty one is written in this format: its `rows` (no row committed, so
     # nothing to lose) is made again with this format's columns.
     names = set(L.unit_arrays(self.url, schema)) - {"commit"}
-    if c.format < 4:
+    if c.format < L.FORMAT_VERSION:
       names.discard("rows")
       spec = L.unit_arrays(self.url, schema)["rows"]
       marker["rows"] = ts.open(spec, create=True, delete_existing=True,
@@ -77,7 +78,8 @@ class UnitWriter:
       self._chunks = WholeChunkAppender(self._arrays, {
           "sequences": c.tokens, "rows": c.rows,
           "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
-          "images/index": c.images, "images/hash": c.images}, self._dir, self._in_place)
+          "images/index": c.images, "images/hash": c.images, "turns": c.turns},
+          self._dir, self._in_place)
     except DamagedTail as e:
       raise CorruptUnitError(self.unit, str(e)) from e
     self._image_index: dict[str, int] = {}
@@ -171,7 +173,7 @@ class UnitWriter:
                   write("images/index", n_img, rows), write("images/hash", n_img, hashes)]
       n_img, img_bytes = n_img + len(blobs), int(ends[-1])
 
-    metas, n_rows, n_tok, n_refs = [], c.rows, c.tokens, c.refs
+    metas, n_rows, n_tok, n_refs, n_turns = [], c.rows, c.tokens, c.refs, c.turns
     if packed is not None:
       k, T = packed.prompt_len.size, packed.tokens.size
       lengths = packed.prompt_len + packed.response_len
@@ -192,11 +194,18 @@ class UnitWriter:
       rows[:, L.V_LAST] = packed.version_last
       rows[:, L.REF_END] = ref_end
       rows[:, L.LOSS_TOKENS] = packed.loss_tokens
+      turn_end = c.turns + np.cumsum(packed.turn_count)
+      rows[:, L.TURN_END] = turn_end
+      rows[:, L.GEN_US] = packed.gen_us
+      rows[:, L.ENV_US] = packed.env_us
       futures += [self._chunks.write_sequences(
                       c.tokens, (packed.tokens, packed.logprobs, packed.loss_mask)),
                   write("rows", c.rows, rows), write("reward", c.rows, packed.reward)]
       if refs.size:
         futures.append(write("image_refs", c.refs, refs))
+      if packed.turns.size:
+        futures.append(write("turns", c.turns, packed.turns))
+      spans = L.turn_spans(packed.turns, turn_end - packed.turn_count - c.turns, packed.turn_count)
       starts = tok_end - lengths
       for r in range(k):
         metas.append(TrajMeta(
@@ -206,8 +215,10 @@ class UnitWriter:
             index_in_group=int(packed.index_in_group[r]),
             version_first=int(packed.version_first[r]), version_last=int(packed.version_last[r]),
             reward=float(packed.reward[r]), image_ids=packed.image_ids[r],
-            loss_tokens=int(packed.loss_tokens[r])))
+            loss_tokens=int(packed.loss_tokens[r]), turns=spans[r],
+            gen_seconds=int(packed.gen_us[r]) / 1e6, env_seconds=int(packed.env_us[r]) / 1e6))
       n_rows, n_tok, n_refs = c.rows + k, c.tokens + T, c.refs + refs.size
+      n_turns = c.turns + len(packed.turns)
     if not futures:
       return metas
     errors = []
@@ -219,7 +230,8 @@ class UnitWriter:
     if errors:
       raise StoreError(f"append to unit '{self.unit}' failed; nothing of it was committed "
                        f"(unit still at {c.rows} rows): {errors[0]}") from errors[0]
-    new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes)
+    new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes,
+                 turns=n_turns)
     try:
       write_commit(self._arrays["commit"], new, self._dir)  # last: this makes the rows visible
     except Exception as e:
