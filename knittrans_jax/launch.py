@@ -9,6 +9,7 @@ job/ never imports cluster/.
 """
 from __future__ import annotations
 
+from knittrans_jax import compile_cache
 from knittrans_jax.cluster.ray_setup import RayConfig  # noqa: F401  (gin: no Ray imported)
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.local import run_local
@@ -16,6 +17,7 @@ from knittrans_jax.job.local import run_local
 
 def run(workdir: str, resume: bool = False) -> dict:
   """Trains to JobConfig.train_batches where JobConfig.cluster says; returns the summary."""
+  compile_cache.enable(JobConfig().compilation_cache)  # before anything compiles
   if JobConfig().cluster == "ray":
     from knittrans_jax.cluster.ray_job import run_on_ray  # Ray is imported only for Ray runs
     return run_on_ray(workdir, resume)

@@ -58,6 +58,10 @@ class JobConfig:
   cluster: where the roles run: 'local' (this process trains; rollout workers are its
     child processes; no Ray) or 'ray' (this process is the controller; trainers and
     rollout workers are Ray actors, RayConfig; cluster/, docs/distributed.md).
+  compilation_cache: the persistent compilation cache directory every process of the
+    job shares (compile_cache.py): a rollout worker loads a sampler shape another
+    compiled, and a second run starts without compiling. None: JAX's own setting.
+    JAX_COMPILATION_CACHE_DIR in the environment wins.
   stall_timeout_s: a run in which no mini-batch is admitted and no usable group
     finishes for this long stops with an error naming the short sources and what is
     in flight (a hung worker, a source whose groups are all dropped, ...).
@@ -86,6 +90,7 @@ class JobConfig:
   groups_per_call: int = 4
   engine: str = "jax"
   cluster: str = "local"
+  compilation_cache: str | None = "~/.cache/knittrans_jax/jax"
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()

@@ -16,6 +16,7 @@ are dropped; each row samples with its own key, so they change no real row).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from knittrans_jax import compile_cache
 from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest, PromptSpec,
                                           Response, RolloutEngine)
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
@@ -119,9 +121,15 @@ class JaxEngine(RolloutEngine):
     return self._call(batch, self.spec.prompts, len(batch))
 
   def _call(self, batch: list[GroupRequest], prompts: PromptSpec, shape) -> list[FinishedGroup]:
-    t0 = time.perf_counter()
-    done = generate_groups(self.graphdef, self.params, self.version, batch, self.spec.sampler,
-                           prompts)
+    # A new shape is compiled by one process of the job; the others wait, then load it
+    # from the persistent cache (compile_cache.py).
+    lock = (contextlib.nullcontext() if shape in self._compiled else compile_cache.compiling(
+        compile_cache.shape_key("jax_engine", self.spec.model_config, self.spec.sampler,
+                                prompts.length, prompts.banned, shape)))
+    with lock:
+      t0 = time.perf_counter()
+      done = generate_groups(self.graphdef, self.params, self.version, batch,
+                             self.spec.sampler, prompts)
     # A call of a new shape compiled the sampler first: its time is not the groups'.
     seconds = time.perf_counter() - t0 if shape in self._compiled else None
     self._compiled.add(shape)
