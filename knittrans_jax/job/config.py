@@ -24,8 +24,15 @@ class JobConfig:
   train batch dispatched only once the previous one is trained and its weights
   published; the reference that differs from 'disaggregated' in staleness alone).
   window: groups dispatched but not yet trained (default 2G, one-step-off).
-  micro_batch_size: rows per micro-batch (a mini-batch is g * n rows).
-  seq_len: static sequence length of a train batch (prompt + response).
+  micro_batch_size: rows per micro-batch (a mini-batch is g * n rows); with `packing`,
+    the most packed rows a micro-batch has.
+  seq_len: static sequence length of a train batch (prompt + response); with
+    `packing`, the tokens of a packed row (a trajectory must fit one).
+  packing: micro-batches by token budget (dataplane/packing.py): each consumer's
+    trajectories packed back to back into rows of seq_len tokens, attention and
+    positions per trajectory, so no compute goes to padding; a mini-batch takes as
+    many micro-batches as its tokens need, each of up to micro_batch_size rows (a
+    few row counts, each compiled once). False: a row per trajectory, right-padded.
   suite: 'text' (a decoder on text tasks), 'vision' (a VLM on generated images),
     'math' (a prompt data set through the checkpoint's tokenizer and chat template,
     scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig) or
@@ -91,6 +98,7 @@ class JobConfig:
   engine: str = "jax"
   cluster: str = "local"
   compilation_cache: str | None = "~/.cache/knittrans_jax/jax"
+  packing: bool = False
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -98,7 +106,12 @@ class JobConfig:
     if self.mode not in MODES:
       raise ValueError(f"JobConfig.mode = {self.mode!r}: use one of {MODES}")
     rows = spec.mini_batch_groups * spec.group_size
-    if rows % self.micro_batch_size:
+    if self.micro_batch_size <= 0:
+      raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} must be positive")
+    if self.packing and self.suite == "vision":
+      raise ValueError("JobConfig.packing with suite 'vision': the VLM steps (an image prefix "
+                       "per row, Qwen-VL's M-RoPE) are not packed yet; set packing = False")
+    if not self.packing and rows % self.micro_batch_size:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
                        f"the mini-batch's {rows} trajectories (g = {spec.mini_batch_groups} x "
                        f"n = {spec.group_size})")

@@ -166,7 +166,9 @@ class Driver:
       if ev is not None and ev.due(trainers.version, target):
         evaluation, eval_s = self._evaluate()
       self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens,
-                    evaluation=evaluation, eval_s=eval_s, local_fraction=work.local_fraction)
+                    evaluation=evaluation, eval_s=eval_s, local_fraction=work.local_fraction,
+                    computed_tokens=work.computed_tokens(self.cfg.seq_len),
+                    micro_batches=work.num_micro_batches)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:

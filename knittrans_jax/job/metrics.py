@@ -103,9 +103,12 @@ class MetricsLog:
 
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
            admitted_tokens: int | None = None, evaluation: dict | None = None,
-           eval_s: float = 0.0, local_fraction: float | None = None) -> None:
+           eval_s: float = 0.0, local_fraction: float | None = None,
+           computed_tokens: int | None = None, micro_batches: int | None = None) -> None:
     """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time.
-    local_fraction: the step's rows planned onto a consumer on their unit's host."""
+    local_fraction: the step's rows planned onto a consumer on their unit's host.
+    computed_tokens: the token positions the step computed on (padding included):
+    its padding_fraction is the share of them no trajectory filled."""
     self.eval_s += eval_s
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
@@ -134,6 +137,9 @@ class MetricsLog:
         "local_fraction": local_fraction,
         "time_s": time.perf_counter() - self.t0, "eval_s": self.eval_s,
     }
+    if computed_tokens:
+      rec.update(micro_batches=micro_batches, padding_fraction=1.0 - sum(
+          m.length for m in metas) / computed_tokens)
     if episodes:  # agent episodes: turns, their own staleness, where the time went
       turn_arch = [v_consume - t.version_first - mb.index for m in episodes for t in m.turns]
       self.turn_arch += turn_arch
@@ -198,6 +204,8 @@ class MetricsLog:
         "quota_violations": self.quota_violations(), "steps": steps,
         "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
         "trajectories": self.trajectories, "eval_s": self.eval_s,
+        "padding_fraction": (float(np.mean(pad)) if (pad := [
+            r["padding_fraction"] for r in self.records if "padding_fraction" in r]) else None),
         "local_fraction": (float(np.mean(local)) if (local := [
             r["local_fraction"] for r in self.records if r.get("local_fraction") is not None])
             else None),

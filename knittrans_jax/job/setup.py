@@ -12,6 +12,7 @@ holds on every deployment.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Callable
 
@@ -19,6 +20,7 @@ import numpy as np
 
 from knittrans_jax.admission import make_policy
 from knittrans_jax.admission.dispatch import DispatchStream, make_dispatch
+from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.evaluation import EvalConfig, Evaluator
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
@@ -227,7 +229,21 @@ def make_planner(setup: JobSetup, consumers: int, trainers,
       image_slots=(encode_once_slots(trainers.rows_multiple, consumers, cfg.spec.mini_batch_groups)
                    if trainers.encode_once else None),
       consumer_host=trainers.consumer_host, unit_host=unit_host,
-      locality_tolerance=cfg.locality_tolerance)
+      locality_tolerance=cfg.locality_tolerance,
+      pack=pack_layout(cfg, consumers, trainers.rows_multiple) if cfg.packing else None)
+
+
+def pack_layout(cfg, consumers: int, rows_multiple: int) -> PackLayout:
+  """Packed rows of seq_len tokens, up to micro_batch_size rows a micro-batch over all
+  consumers; a consumer's row count keeps the global one a multiple of the mesh's
+  batch shards."""
+  unit = rows_multiple // math.gcd(rows_multiple, consumers)
+  max_rows = cfg.micro_batch_size // consumers
+  if max_rows % unit:
+    raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size}: {max_rows} packed rows "
+                     f"per consumer ({consumers} consumers) do not split over the mesh's "
+                     f"{rows_multiple} batch shards")
+  return PackLayout(row_tokens=cfg.seq_len, max_rows=max_rows, row_unit=unit)
 
 
 def make_admission(setup: JobSetup):

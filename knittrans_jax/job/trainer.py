@@ -47,7 +47,7 @@ import numpy as np
 
 from knittrans_jax.dataplane import OnDemandReads, describe
 from knittrans_jax.dataplane.centralized import CentralizedReads
-from knittrans_jax.job.batching import build_batch
+from knittrans_jax.job.batching import build_batch, build_packed_batch
 from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
 from knittrans_jax.models.vision_spec import VisionSpec
@@ -190,7 +190,8 @@ class Trainer:
                      for k, micro in enumerate(work.consumers[c]) for i, m in enumerate(micro)}
       jobs.append(("the image slots", lambda: self._read_slots(seg, reads.read)))
     # Each job runs on the stream's thread: read (host data), prepare, put on the devices.
-    jobs += [(describe(k, micro), lambda k=k: self._put(self._prepare(seg, reads.micro_batch(k))))
+    jobs += [(describe(k, micro),
+              lambda k=k: self._put(self._prepare(seg, reads.micro_batch(k), k)))
              for k, micro in enumerate(micros)]
     self.stream.feed(jobs)
     self._fed.append(seg)
@@ -268,8 +269,9 @@ class Trainer:
                                                 packed.pixel_values)
     return PackedImages(pv, packed.grid)
 
-  def _prepare(self, seg: _Segment, payload: Payload) -> dict:
-    """A payload -> the step's static-shape host arrays (right-padded)."""
+  def _prepare(self, seg: _Segment, payload: Payload, k: int) -> dict:
+    """Local micro-batch k's payload -> the step's static-shape host arrays
+    (right-padded, or packed as the plan says)."""
     lay = self.layout
     if seg.missing:  # an image that could not be read: its rows do not train
       keep = [i for i, m in enumerate(payload.metas) if m.image_ids[0] not in seg.missing]
@@ -280,12 +282,15 @@ class Trainer:
       payload = Payload([payload.metas[i] for i in keep], [payload.tokens[i] for i in keep],
                         [payload.logprobs[i] for i in keep], [payload.loss_mask[i] for i in keep],
                         payload.images)
-    batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
-    counted = batch["loss_mask"].sum(axis=1)
-    for i, m in enumerate(payload.metas):  # the normaliser was planned from these counts
-      if int(counted[i]) != m.trained_tokens:
+    if seg.work.packed:
+      rows, row_of = seg.work.local_rows(self.mine, k)
+      batch = build_packed_batch(payload, seg.work.advantages, row_of, lay.seq_len, rows)
+    else:
+      batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
+    for m, mask in zip(payload.metas, payload.loss_mask):  # the normaliser was planned from these
+      if int(np.count_nonzero(mask)) != m.trained_tokens:
         raise RuntimeError(
-            f"trajectory {m.id}: its loss mask has {int(counted[i])} tokens of 1 but its "
+            f"trajectory {m.id}: its loss mask has {int(np.count_nonzero(mask))} tokens of 1 but its "
             f"metadata counts {m.trained_tokens} (loss_tokens={m.loss_tokens}, response_len="
             f"{m.response_len}); units of storage formats 1-3 do not count masked tokens, so "
             "they train only with all-ones masks: write masked rollouts to a new unit")

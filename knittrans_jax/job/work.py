@@ -14,6 +14,7 @@ import math
 from typing import Callable
 
 from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.multimodal.image_plan import ImagePlan, plan_images
 from knittrans_jax.rl.advantages import group_advantages_by_id
 from knittrans_jax.types import MiniBatch, TrajMeta
@@ -30,10 +31,32 @@ class StepWork:
   total_tokens: int
   images: ImagePlan | None = None
   local_fraction: float | None = None  # rows read on their unit's host; None: hosts unknown
+  # Packed: each trajectory's row in its consumer's micro-batch and the rows per
+  # consumer of micro-batch k (dataplane/assignment.py); None: padded.
+  rows: tuple[tuple[tuple[int, ...], ...], ...] | None = None
+  micro_rows: tuple[int, ...] | None = None
 
   @property
   def num_micro_batches(self) -> int:
     return len(self.consumers[0])
+
+  @property
+  def packed(self) -> bool:
+    return self.micro_rows is not None
+
+  def computed_tokens(self, seq_len: int) -> int:
+    """Token positions the step computes on, padding included (every consumer)."""
+    C = len(self.consumers)
+    rows = (sum(self.micro_rows) * C if self.packed else
+            sum(len(mb) for micro in self.consumers for mb in micro))
+    return rows * seq_len
+
+  def local_rows(self, mine, k: int) -> tuple[int, dict[str, int]]:
+    """Packed: the rows of local micro-batch k (the consumers of `mine` side by side)
+    and each of its trajectories' row there, by id."""
+    per = self.micro_rows[k]
+    return per * len(mine), {m.id: j * per + r for j, c in enumerate(mine)
+                             for m, r in zip(self.consumers[c][k], self.rows[c][k])}
 
   def local_micro_batches(self, mine) -> list[tuple[TrajMeta, ...]]:
     """The micro-batches of the consumers in `mine`, side by side: local micro-batch
@@ -58,11 +81,14 @@ class StepPlanner:
   consumer_host: tuple[str, ...] | None = None
   unit_host: Callable[[str], str] | None = dataclasses.field(default=None, compare=False)
   locality_tolerance: float = 0.05  # consumers divide micro_batch_size: JobConfig.consumers_for
+  # Packed micro-batches (JobConfig.packing): rows of a token budget, several
+  # trajectories each; micro_batch_size is then the most rows of a micro-batch.
+  pack: PackLayout | None = None
 
   def __call__(self, mb: MiniBatch) -> StepWork:
     plan = plan_micro_batches(mb, self.consumers, self.micro_batch_size // self.consumers,
                               unit_host=self.unit_host, consumer_host=self.consumer_host,
-                              tolerance=self.locality_tolerance)
+                              tolerance=self.locality_tolerance, pack=self.pack)
     metas = [m for grp in mb.groups for m in grp.metas]
     images = None
     if self.image_slots is not None:
@@ -73,7 +99,8 @@ class StepPlanner:
                     # the loss tokens (mask 1) as the store counted them
                     total_tokens=sum(m.trained_tokens for m in metas), images=images,
                     local_fraction=(plan.local_fraction if self.unit_host and self.consumer_host
-                                    else None))
+                                    else None),
+                    rows=plan.rows, micro_rows=plan.micro_rows)
 
 
 def encode_once_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:

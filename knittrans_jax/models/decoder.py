@@ -179,9 +179,11 @@ class DecoderLM(nnx.Module):
     return x
 
   def __call__(self, tokens, attention_mask, prefix=None, prefix_mask=None, *, positions=None,
-               embeds=None, hidden: bool = False):
+               embeds=None, segment_ids=None, hidden: bool = False):
     """hidden: return `Hidden` (the normed final states of the token positions and
-    the head) instead of the logits."""
+    the head) instead of the logits. `segment_ids` [B, T]: packed rows, several
+    sequences a row (job/batching.build_packed_batch); a token attends only to
+    earlier tokens of its own segment, and `positions` should restart per segment."""
     x = self.embed(tokens) if embeds is None else embeds
     valid = attention_mask.astype(bool)
     if prefix is not None:
@@ -195,6 +197,10 @@ class DecoderLM(nnx.Module):
     T = x.shape[1]
     causal = jnp.tril(jnp.ones((T, T), bool))
     mask = causal[None] & valid[:, None, :]
+    if segment_ids is not None:
+      if prefix is not None:
+        raise ValueError("segment_ids with a prefix: a packed row has no one prefix")
+      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     x = self._run_blocks(x, mask, positions)

@@ -120,9 +120,10 @@ def logprobs_of(outputs, tokens, config: LossConfig):
 
 def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
                     config: LossConfig, ref_logp: jax.Array | None = None):
-  """Per-token loss terms (to be summed under the mask) and the clip indicator."""
+  """Per-token loss terms (to be summed under the mask) and the clip indicator.
+  `advantages`: per row [B], or per token [B, T] (a packed batch)."""
   ratio = jnp.exp(logp - behaviour_logp)
-  adv = advantages[:, None]
+  adv = advantages if advantages.ndim == 2 else advantages[:, None]
   unclipped = ratio * adv
   clipped = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * adv
   loss = -jnp.minimum(unclipped, clipped)
@@ -182,7 +183,8 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
     sums["corrected"] = jnp.sum(corrected * mask)
   if version is not None and "version_first" in batch:
     fresh = (batch["version_first"] == version) & (batch["version_last"] == version)
-    fresh_mask = mask * fresh[:, None].astype(mask.dtype)
+    fresh = fresh if fresh.ndim == 2 else fresh[:, None]  # per token when packed
+    fresh_mask = mask * fresh.astype(mask.dtype)
     diff = jnp.abs(logp - batch["behaviour_logp"]) * fresh_mask
     sums.update(fresh_tokens=jnp.sum(fresh_mask), fresh_logp_abs_diff=jnp.sum(diff),
                 max_fresh_logp_abs_diff=jnp.max(diff))

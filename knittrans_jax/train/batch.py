@@ -6,7 +6,11 @@ A text batch is a dict of
   loss_mask       float32 [B, T]  1 on response tokens that train
   behaviour_logp  float32 [B, T]  log-prob of each token under the rollout policy
   advantages      float32 [B]
-and optionally version_first / version_last int32 [B] (the versions that generated
+A packed batch (several trajectories a row, job/batching.build_packed_batch) adds
+  segment_ids     int32   [B, T]  1, 2, ... per trajectory in its row, 0 on padding
+  positions       int32   [B, T]  each token's position within its trajectory
+and has advantages (and version_first / version_last) per token, [B, T].
+Optionally version_first / version_last int32 [B] (the versions that generated
 each row, -1 for padding: the engine-vs-trainer sums at lag 0, rl/losses.py);
 and a VLM batch adds images float32 [B, H, W, C] (the naive step: one image per
 row) or image_index int32 [B] (the encode-once step: each row's slot among the
@@ -23,13 +27,16 @@ from jax.sharding import Mesh
 
 from knittrans_jax.mesh import batch_size_multiple, logical_sharding
 
-SPEC = {  # name: (dtype kind, rank)
-    "tokens": ("iu", 2), "attention_mask": ("bui", 2), "loss_mask": ("fbui", 2),
-    "behaviour_logp": ("f", 2), "advantages": ("f", 1),
+SPEC = {  # name: (dtype kinds, ranks allowed)
+    "tokens": ("iu", (2,)), "attention_mask": ("bui", (2,)), "loss_mask": ("fbui", (2,)),
+    "behaviour_logp": ("f", (2,)), "advantages": ("f", (1, 2)),
 }
-OPTIONAL = {"images": ("f", 4), "ref_logp": ("f", 2), "image_index": ("iu", 1),
-            "positions": ("iu", 3), "embed_index": ("iu", 2), "version_first": ("i", 1),
-            "version_last": ("i", 1)}
+OPTIONAL = {"images": ("f", (4,)), "ref_logp": ("f", (2,)), "image_index": ("iu", (1,)),
+            "positions": ("iu", (2, 3)), "embed_index": ("iu", (2,)),
+            "version_first": ("i", (1, 2)), "version_last": ("i", (1, 2)),
+            "segment_ids": ("iu", (2,))}
+# Per row in a padded batch, per token in a packed one (segment_ids: several a row).
+PER_ROW = ("advantages", "version_first", "version_last")
 
 
 class BadBatchError(ValueError):
@@ -41,14 +48,21 @@ def check_batch(batch: dict, vocab_size: int, rows_multiple: int = 1) -> None:
   if missing:
     raise BadBatchError(f"batch is missing {sorted(missing)}")
   B, T = np.shape(batch["tokens"])[:2] if np.ndim(batch["tokens"]) == 2 else (None, None)
-  for name, (kinds, rank) in {**SPEC, **{k: v for k, v in OPTIONAL.items() if k in batch}}.items():
+  packed = "segment_ids" in batch
+  for name, (kinds, ranks) in {**SPEC, **{k: v for k, v in OPTIONAL.items() if k in batch}}.items():
     arr = batch[name]
     dtype = np.asarray(arr).dtype if not hasattr(arr, "dtype") else np.dtype(arr.dtype)
     if dtype.kind not in kinds:
       raise BadBatchError(f"batch['{name}'] has dtype {dtype}; expected kind {kinds!r}")
     shape = np.shape(arr)
-    if len(shape) != rank:
-      raise BadBatchError(f"batch['{name}'] has shape {shape}; expected rank {rank}")
+    if name in PER_ROW:
+      ranks = (2,) if packed else (1,)
+    if len(shape) not in ranks:
+      raise BadBatchError(f"batch['{name}'] has shape {shape}; expected rank "
+                          f"{' or '.join(map(str, ranks))}" + (
+                              " (per token in a packed batch, per row in a padded one)"
+                              if name in PER_ROW else ""))
+    rank = len(shape)
     if shape[0] != B or (rank == 2 and shape[1] != T):
       raise BadBatchError(f"batch['{name}'] has shape {shape}; tokens are [{B}, {T}]")
   if B % rows_multiple:

@@ -35,8 +35,10 @@ from knittrans_jax.train.state import TrainState
 
 
 def text_forward(model, batch):
-  """The decoder's final hidden states and head (the loss projects them in chunks)."""
-  return model(batch["tokens"], batch["attention_mask"], hidden=True)
+  """The decoder's final hidden states and head (the loss projects them in chunks).
+  A packed batch brings its segments and their positions."""
+  return model(batch["tokens"], batch["attention_mask"], positions=batch.get("positions"),
+               segment_ids=batch.get("segment_ids"), hidden=True)
 
 
 class StepFunctions:
