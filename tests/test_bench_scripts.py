@@ -168,6 +168,21 @@ def test_bench_train_step_writes_its_json(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_train_step_packing_writes_its_json(tmp_path):
+  out = tmp_path / "packing.json"
+  env = dict(__import__("os").environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+  proc = subprocess.run([sys.executable, "scripts/bench_train_step.py", "--packing", "--json",
+                         str(out), "--groups", "3", "--batch", "4", "--reps", "1"],
+                        capture_output=True, text=True, timeout=300, env=env)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name, r in json.loads(out.read_text())["packing"].items():
+    assert r["trajectories"] == 24 and r["packed"]["computed_tokens"] < r["padded"]["computed_tokens"]
+    assert r["padding_fraction"] == r["packed"]["padding_fraction"] < r["padded"]["padding_fraction"]
+    assert r["speedup"] > 0, name
+
+
+@pytest.mark.slow
 def test_bench_multimodal_writes_its_json(tmp_path):
   out = tmp_path / "mm.json"
   proc = subprocess.run([sys.executable, "scripts/bench_multimodal.py", "--json", str(out),
