@@ -47,7 +47,8 @@ def make_batch(rng, B, T, vocab):
               advantages=rng.normal(size=B).astype(np.float32))
 
 
-def bench_layout(layout, B, T, micro_batches, reps):
+def build(layout: str):
+  """The tiny decoder's step functions and state on a configs/mesh layout."""
   gin.clear_config()
   gin.parse_config_file(os.path.join(REPO, "configs", "mesh", f"{layout}.gin"))
   mesh_cfg = MeshConfig()
@@ -57,6 +58,11 @@ def bench_layout(layout, B, T, micro_batches, reps):
   graphdef, state, shardings = init_train_state(lambda r: DecoderLM(model_cfg, r), tx, mesh,
                                                 mesh_cfg.rules)
   fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, mesh_cfg.rules)
+  return fns, state, mesh, mesh_cfg, model_cfg
+
+
+def bench_layout(layout, B, T, micro_batches, reps):
+  fns, state, mesh, mesh_cfg, model_cfg = build(layout)
   rng = np.random.default_rng(0)
   micros = [make_batch(rng, B, T, model_cfg.vocab_size) for _ in range(micro_batches)]
   total = float(B * T * micro_batches)
@@ -117,15 +123,7 @@ def bench_packing(workload: str, seq_len: int, rows: int, groups: int, n: int, r
   from knittrans_jax.train.batch import rows_multiple
   from knittrans_jax.types import GroupInfo, MiniBatch, Payload, TrajMeta
 
-  gin.clear_config()
-  gin.parse_config_file(os.path.join(REPO, "configs", "mesh", "dp.gin"))
-  mesh_cfg = MeshConfig()
-  model_cfg = DecoderConfig()
-  mesh = make_mesh(mesh_cfg)
-  tx = make_optimizer(OptimizerConfig())
-  graphdef, state, shardings = init_train_state(lambda r: DecoderLM(model_cfg, r), tx, mesh,
-                                                mesh_cfg.rules)
-  fns = StepFunctions(graphdef, shardings, tx, LossConfig(), mesh, mesh_cfg.rules)
+  fns, state, mesh, mesh_cfg, model_cfg = build("dp")
   rng = np.random.default_rng(1)
   lengths = solved_lengths(workload, groups, n, seed=0)
   metas, data = [], {}
