@@ -2,7 +2,7 @@
 
 Pure Python over lengths. A packed micro-batch is `rows` rows of `row_tokens` tokens,
 each row several whole trajectories back to back (segments), so the step computes
-on tokens, not on padding (train/packing.py builds the arrays; the decoder attends
+on tokens, not on padding (job/batching.build_packed_batch builds the arrays; the decoder attends
 within a segment only).
 
     layout = PackLayout(row_tokens=528, max_rows=8, row_unit=1)
@@ -12,9 +12,9 @@ within a segment only).
 
 Rows are filled first-fit decreasing (each trajectory, longest first, into the
 first row with room: at most 11/9 OPT + 6/9 rows, Dosa 2007). A consumer's rows are
-cut into micro-batches of at most `max_rows`; the consumers step in lockstep, so
-micro-batch k has as many micro-batches as the consumer with the most rows needs,
-and its row count is the most any consumer's k-th holds, rounded up to
+cut into micro-batches of at most `max_rows`; the consumers step in lockstep, so a
+mini-batch has as many micro-batches as the consumer with the most rows needs, and
+micro-batch k's row count is the most any consumer's k-th holds, rounded up to
 `row_unit` x a power of two (capped at `max_rows`): the step compiles for a few row
 counts, not one per mini-batch. A consumer with fewer rows gets empty rows.
 """
