@@ -84,7 +84,7 @@ def full_logits_forward(model, batch):
 
 
 def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[str],
-         full_logits: bool = False) -> dict:
+         full_logits: bool = False, packed: bool = False) -> dict:
   import gin
   import jax
   import jax.numpy as jnp
@@ -133,6 +133,9 @@ def plan(model_gin: str, mesh_gin: str, rows: int, seq_len: int, bindings: list[
   batch = {"tokens": (jnp.int32, (rows, seq_len)), "attention_mask": (jnp.bool_, (rows, seq_len)),
            "loss_mask": (jnp.float32, (rows, seq_len)),
            "behaviour_logp": (jnp.float32, (rows, seq_len)), "advantages": (jnp.float32, (rows,))}
+  if packed:  # job/batching.build_packed_batch: segments, their positions, per-token advantages
+    batch.update(segment_ids=(jnp.int32, (rows, seq_len)), positions=(jnp.int32, (rows, seq_len)),
+                 advantages=(jnp.float32, (rows, seq_len)))
   batch = {k: jax.ShapeDtypeStruct(s, d) for k, (d, s) in batch.items()}
   bsh = batch_shardings(mesh, mesh_cfg.rules, batch)
   batch = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=bsh[k]) for k, v in batch.items()}
@@ -188,6 +191,8 @@ def main():
   parser.add_argument("--json", default=None, help="write the plans here")
   parser.add_argument("--full_logits", action="store_true",
                       help="plan the step with the whole logits, as before chunked log-probs")
+  parser.add_argument("--packed", action="store_true",
+                      help="plan packed rows (JobConfig.packing: segment ids, positions)")
   cli.add_check_flag(parser)
   args = parser.parse_args()
   # Before JAX starts: N host devices stand in for the accelerators.
@@ -210,8 +215,9 @@ def main():
   from tqdm import tqdm
   for mesh_gin in tqdm(meshes, desc="compiling", unit="layout", disable=None):
     plans.append(plan(gin_cli._resolve(args.model), gin_cli._resolve(mesh_gin), rows,
-                      args.seq_len, bindings, args.full_logits))
+                      args.seq_len, bindings, args.full_logits, args.packed))
   print(f"\n{args.model}: {args.devices} devices, micro-batch {rows} x {args.seq_len} tokens"
+        f"{' packed' if args.packed else ''}"
         f"{'; ' + '; '.join(args.gin_bindings) if args.gin_bindings else ''}")
   ok = [p for p in plans if "error" not in p]
   big = max((p["peak_bytes"] for p in ok), default=0) >= 2**30
@@ -231,7 +237,7 @@ def main():
     with open(args.json, "w") as f:
       json.dump({"model": args.model, "devices": args.devices, "rows": rows,
                  "seq_len": args.seq_len, "bindings": args.gin_bindings,
-                 "full_logits": args.full_logits, "plans": plans,
+                 "full_logits": args.full_logits, "packed": args.packed, "plans": plans,
                  "layouts": {p["mesh"]: p for p in plans},
                  "logits_materialised": any(p.get("logits_materialised") for p in ok)}, f,
                 indent=2)

@@ -32,7 +32,8 @@ def loss_and_grads(**kw):
 
 
 @pytest.mark.parametrize("kw", [dict(remat="full"), dict(remat="dots"), dict(attention="xla"),
-                                dict(attention="auto")])
+                                dict(attention="auto"),
+                                dict(attention="blockwise", attention_block=4, remat="full")])
 def test_same_loss_and_gradients(kw):
   (l0, g0), (l1, g1) = loss_and_grads(), loss_and_grads(**kw)
   np.testing.assert_allclose(l1, l0, rtol=1e-6)
@@ -76,6 +77,8 @@ def test_bad_configs_name_the_field():
     DecoderConfig(**{**BASE, "remat": "some"})
   with pytest.raises(ValueError, match=r"DecoderConfig.attention = 'flash' is not one of"):
     DecoderConfig(**{**BASE, "attention": "flash"})
+  with pytest.raises(ValueError, match=r"DecoderConfig.attention_block = 0 must be positive"):
+    DecoderConfig(**{**BASE, "attention_block": 0})
 
 
 def stacked_copy(model, **kw):

@@ -3,6 +3,8 @@ into rows of the token budget, in lockstep micro-batches of a few row counts; a
 packed step's loss, gradients and metrics equal the padded step's on the same
 trajectories (fp32 round-off), with tied and untied heads, KL on, and masked
 observation tokens inside responses; a trajectory longer than a row is named."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -105,11 +107,17 @@ def _run(fns, state, batches, total, ref):
   return jax.device_get((acc, sums))
 
 
-@pytest.mark.parametrize("tie, kl", [(False, 0.0), (True, 0.1)])
-def test_packed_step_equals_padded_step(tie, kl):
+@pytest.mark.parametrize("tie, kl, attention", [(False, 0.0, "einsum"), (True, 0.1, "blockwise")])
+def test_packed_step_equals_padded_step(tie, kl, attention):
+  """The padded step with the einsum attention against the packed step with `attention`
+  (blockwise: tiles of 16 tokens, grouped key/value heads, models/blockwise_attention.py)."""
   cfg = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64,
-                      tie_embeddings=tie)
+                      tie_embeddings=tie, kv_heads=2)
   fns, state = _build(cfg, LossConfig(kl_coef=kl))
+  fns_packed = fns
+  if attention != "einsum":  # the same parameters, another attention
+    fns_packed, _ = _build(dataclasses.replace(cfg, attention=attention, attention_block=16),
+                           LossConfig(kl_coef=kl))
   ref = None
   if kl:  # a reference other than the policy, so the KL term is not zero
     ref = jax.tree.map(lambda x: x * 1.01, state.params)
@@ -128,7 +136,7 @@ def test_packed_step_equals_padded_step(tie, kl):
   assert max(int(b["segment_ids"].max()) for b in pack_batches) > 1  # rows really shared
   total = np.float32(padded.total_tokens)
   g_pad, s_pad = _run(fns, state, pad_batches, total, ref)
-  g_pack, s_pack = _run(fns, state, pack_batches, total, ref)
+  g_pack, s_pack = _run(fns_packed, state, pack_batches, total, ref)
   assert set(s_pad) == set(s_pack)
   assert s_pad["fresh_tokens"] > 0 and (not kl or s_pad["kl"] > 0)
   for k in s_pad:

@@ -33,14 +33,14 @@ def plan(tmp_path, *bindings, seq_len=128, mesh=()):
 
 
 @functools.cache
-def plan_dp(*bindings, full_logits=False) -> dict:
+def plan_dp(*bindings, full_logits=False, seq_len=128, packed=False) -> dict:
   """One layout planned in this process (its 8 host devices): the script's own `plan`,
   without a process start per call; the same plan asked twice is compiled once."""
   spec = importlib.util.spec_from_file_location("plan_layout_script", "scripts/plan_layout.py")
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
-  return script.plan(MODEL, DP, rows=8, seq_len=128, bindings=list(bindings),
-                     full_logits=full_logits)
+  return script.plan(MODEL, DP, rows=8, seq_len=seq_len, bindings=list(bindings),
+                     full_logits=full_logits, packed=packed)
 
 
 def test_every_mesh_file_is_planned_and_sharding_shows(tmp_path):
@@ -85,3 +85,13 @@ def test_a_kl_reference_is_planned():
   k = plan_dp("LossConfig.logprob_chunk = 32", "LossConfig.kl_coef = 0.1")
   assert b["reference_bytes"] == 0 and k["reference_bytes"] == k["params_bytes"]
   assert k["peak_bytes"] >= b["peak_bytes"] + k["params_bytes"]
+
+
+def test_blockwise_attention_plans_long_packed_rows_without_the_scores():
+  """--packed rows of 1,024 tokens: the masked einsum's temporaries hold [heads, T, T]
+  scores, the blockwise attention's do not (docs/training.md, the 7B plan)."""
+  e = plan_dp("DecoderConfig.remat = 'full'", seq_len=1024, packed=True)
+  b = plan_dp("DecoderConfig.remat = 'full'", "DecoderConfig.attention = 'blockwise'",
+              "DecoderConfig.attention_block = 128", seq_len=1024, packed=True)
+  assert b["micro_temp_bytes"] < e["micro_temp_bytes"] / 2, (b["micro_temp_bytes"],
+                                                             e["micro_temp_bytes"])

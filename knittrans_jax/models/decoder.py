@@ -13,6 +13,7 @@ from flax import nnx
 
 from knittrans_jax.hidden import Hidden, Projection
 from knittrans_jax.models import scan as layer_scan
+from knittrans_jax.models.blockwise_attention import RowMask
 from knittrans_jax.models.layers import (ATTENTION_IMPLS, DTYPES, Block, RMSNorm, Rope, _normal,
                                          dense, wide)
 
@@ -36,6 +37,9 @@ class DecoderConfig:
   `family` names the Hugging Face format `hf.save` writes ('toy' is written as Llama).
   `mrope_section` (Qwen2-VL's M-RoPE, e.g. (16, 24, 24), summing to head dim / 2) lets
   the forward take (temporal, height, width) positions [3, B, T]; empty is plain RoPE.
+  `attention` picks the attention (layers.ATTENTION_IMPLS): 'blockwise' computes the
+  training forward in tiles of `attention_block` tokens (models/blockwise_attention.py),
+  for long (packed) rows whose [heads, T, T] scores would not fit.
   `scan_layers` holds the blocks as one stack (a leading 'layers' axis on each
   parameter) run by one lax.scan (models/scan.py): the same values, a compile time
   that does not grow with depth; the real-model configs (configs/models/) set it.
@@ -62,13 +66,15 @@ class DecoderConfig:
   param_dtype: str = "float32"
   remat: str = "none"
   attention: str = "einsum"
+  attention_block: int = 512
   family: str = "toy"
   mrope_section: tuple[int, ...] = ()
   scan_layers: bool = False
 
   def __post_init__(self):
     object.__setattr__(self, "mrope_section", tuple(self.mrope_section))  # gin gives lists
-    for name in ("vocab_size", "width", "depth", "heads", "mlp_width", "max_positions"):
+    for name in ("vocab_size", "width", "depth", "heads", "mlp_width", "max_positions",
+                 "attention_block"):
       if getattr(self, name) <= 0:
         raise ValueError(f"DecoderConfig.{name} = {getattr(self, name)} must be positive")
     if not self.head_dim and self.width % self.heads:
@@ -135,7 +141,7 @@ class DecoderLM(nnx.Module):
       return Block(config.width, config.heads, config.mlp_width, r, dt, config.rope,
                    norm_eps=config.norm_eps, param_dtype=pdt, kv_heads=config.num_kv_heads,
                    head_dim=config.dim_per_head, qkv_bias=config.qkv_bias,
-                   qk_norm=config.qk_norm, impl=config.attention)
+                   qk_norm=config.qk_norm, impl=config.attention, block=config.attention_block)
     self.blocks = (layer_scan.stack(block, config.depth, rngs) if config.scan_layers else
                    nnx.List([block(rngs) for _ in range(config.depth)]))
     self.norm = RMSNorm(config.width, config.norm_eps, param_dtype=pdt)
@@ -194,13 +200,11 @@ class DecoderLM(nnx.Module):
       valid = jnp.concatenate([pmask, valid], axis=1)
     else:
       P = 0
-    T = x.shape[1]
-    causal = jnp.tril(jnp.ones((T, T), bool))
-    mask = causal[None] & valid[:, None, :]
-    if segment_ids is not None:
-      if prefix is not None:
-        raise ValueError("segment_ids with a prefix: a packed row has no one prefix")
-      mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if segment_ids is not None and prefix is not None:
+      raise ValueError("segment_ids with a prefix: a packed row has no one prefix")
+    mask = RowMask(valid, segment_ids)
+    if self.config.attention != "blockwise":
+      mask = mask.dense()  # built once, not in every layer
     if positions is None:
       positions = jnp.maximum(jnp.cumsum(valid, axis=1) - 1, 0)
     x = self._run_blocks(x, mask, positions)

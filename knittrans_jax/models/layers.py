@@ -19,6 +19,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knittrans_jax.mesh import constrain
+from knittrans_jax.models import blockwise_attention
+from knittrans_jax.models.blockwise_attention import RowMask
 
 # The dtype names a model config takes (dtype, param_dtype), the decoder's and the
 # vision tower's alike.
@@ -102,19 +104,23 @@ def rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray,
   return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto")
+ATTENTION_IMPLS = ("einsum", "xla", "cudnn", "auto", "blockwise")
 
 
 class Attention(nnx.Module):
   """Multi-head attention with grouped-query heads (`kv_heads` <= `heads`), optional
   q/k/v bias and per-head q/k RMSNorm; `mask` [B, Tq, Tk] is True where attending is
-  allowed. `impl` 'einsum' is written out here; 'xla', 'cudnn' and 'auto' go through
-  jax.nn.dot_product_attention ('auto' lets JAX pick a fused kernel on GPU)."""
+  allowed, or a `RowMask` (the causal mask as per-token valid and segment ids: the
+  decoder's training forward). `impl` 'einsum' is written out here; 'xla', 'cudnn' and
+  'auto' go through jax.nn.dot_product_attention ('auto' lets JAX pick a fused kernel
+  on GPU) and take the mask dense, packed segments included; 'blockwise' is
+  models/blockwise_attention.py for a RowMask (no [T, T] array: long packed rows) and
+  the einsum for a dense mask (the sampler's prefill and decoding)."""
 
   def __init__(self, dim: int, heads: int, rngs: nnx.Rngs, dtype, rope: Rope | None, *,
                kv_heads: int | None = None, head_dim: int | None = None, qkv_bias: bool = False,
                qk_norm: bool = False, norm_eps: float = 1e-6, impl: str = "einsum",
-               param_dtype=jnp.float32):
+               block: int = 512, param_dtype=jnp.float32):
     if not head_dim and dim % heads:
       raise ValueError(f"width {dim} is not divisible by {heads} heads")
     head_dim = head_dim or dim // heads
@@ -124,6 +130,7 @@ class Attention(nnx.Module):
     if impl not in ATTENTION_IMPLS:
       raise ValueError(f"attention impl {impl!r} is not one of {ATTENTION_IMPLS}")
     self.heads, self.kv_heads, self.head_dim, self.impl = heads, kv_heads, head_dim, impl
+    self.block = block  # 'blockwise': tokens per tile
     self.inv_freq = None if rope is None else tuple(rope.inv_freq(head_dim).tolist())
     self.mrope_section = () if rope is None else tuple(rope.mrope_section)
     kw = dict(param_dtype=param_dtype)
@@ -153,7 +160,11 @@ class Attention(nnx.Module):
 
   def _attend(self, q, k, v, mask):
     B, T = q.shape[:2]
-    if self.impl != "einsum":
+    if isinstance(mask, RowMask):
+      if self.impl == "blockwise":
+        return self.o(blockwise_attention.attention(q, k, v, mask, self.block).reshape(B, T, -1))
+      mask = mask.dense()
+    if self.impl not in ("einsum", "blockwise"):
       out = jax.nn.dot_product_attention(
           q, k, v, mask=mask[:, None], implementation=None if self.impl == "auto" else self.impl)
       return self.o(out.reshape(B, T, -1))
