@@ -233,6 +233,16 @@ COVER: dict[str, Cover] = {
     "runs/bench_rollout_agentic.json": Cover("check", toy="tests/test_bench_scripts.py"),
     ".venv/bin/python scripts/bench_rollout.py --workload long_tails --json "
     "runs/bench_rollout_long.json": Cover("check"),
+    # docs/training.md
+    ".venv/bin/python scripts/plan_layout.py --model configs/models/qwen2_5_7b.gin --devices 8 "
+    "--rows 8 --seq_len 16384 --packed --gin_bindings \"DecoderConfig.dtype = 'bfloat16'\" "
+    "--gin_bindings \"DecoderConfig.remat = 'full'\" --gin_bindings \"DecoderConfig.attention = "
+    "'blockwise'\" --json runs/plan_7b_packed_blockwise.json":
+        Cover("check", toy="tests/test_plan_layout.py"),
+    ".venv/bin/python scripts/bench_throughput.py --gin_file configs/text_long_tails.gin --config "
+    "\"packed: JobConfig.packing = True\" --config \"padded: JobConfig.packing = False\" "
+    "--repeats 2 --train_batches 6 --skip_train_batches 2 --json "
+    "runs/throughput_long_tails_packing.json": Cover("check", toy="tests/test_bench_scripts.py"),
     # docs/storage.md
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --mib 8 --reps 2 "
     "--image_reps 1 --growth_gb 4": Cover("check"),

@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.job.batching import build_packed_batch
 from knittrans_jax.models import DecoderConfig
 from knittrans_jax.models.vit import ViTConfig
 from knittrans_jax.models.vlm import VLM
@@ -16,9 +17,9 @@ from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, EncoderC
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
                                  make_mesh, make_optimizer)
-from knittrans_jax.train.batch import rows_multiple
+from knittrans_jax.train.batch import check_batch, rows_multiple
 from knittrans_jax.train.state import TrainState
-from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
+from knittrans_jax.types import GroupInfo, MiniBatch, Payload, TrajMeta
 from train_helpers import micro_grads
 
 VIT = ViTConfig(image_size=16, patch_size=4, width=32, depth=2, heads=4, mlp_width=64)
@@ -170,6 +171,40 @@ def test_dedup_gradient_equals_naive_fp32_and_encodes_once(layout):
   acc, acc_e = fns.zero_grads(state.params), keep.zero_embed_grads(enc)
   with pytest.raises(ValueError, match="image_index"):
     keep.backbone(state.params, enc, acc, acc_e, naive[0], total)
+
+
+def test_packed_dedup_step_equals_naive():
+  """JobConfig.packing on the toy VLM: the 24 trajectories of 3 padded micro-batches
+  packed 3 a row into one micro-batch, each segment its own image prefix
+  (build_packed_batch's embed_index into E), give the naive step's gradient."""
+  fns, state, plan, iplan, images, naive, dedup, total = setup("dp", None)
+  want = naive_grads(fns, state, naive, total)
+  P = VIT.num_tokens
+  metas, toks, lps, masks, adv, slot_of = [], [], [], [], {}, {}
+  for k, b in enumerate(dedup):
+    for i, m in enumerate(m for c in range(len(plan.consumers)) for m in plan.consumers[c][k]):
+      L = m.length
+      metas.append(m)
+      toks.append(b["tokens"][i, :L])
+      lps.append(b["behaviour_logp"][i, :L])
+      masks.append(b["loss_mask"][i, :L].astype(np.uint8))
+      adv[m.id], slot_of[m.id] = float(b["advantages"][i]), int(b["image_index"][i])
+  payload = Payload(metas, toks, lps, masks, {})
+  row_of = {m.id: i % 8 for i, m in enumerate(metas)}  # 3 segments in each of 8 rows
+  fill = np.zeros(8, int)
+  for m in metas:
+    fill[row_of[m.id]] += m.length + P
+  r = int(fill.argmax())  # one position short there: the image prefix counts
+  with pytest.raises(ValueError, match=rf"\+ {P} prefix\) does not fit packed row {r} of 8 x "):
+    build_packed_batch(payload, adv, row_of, int(fill[r]) - 1, 8, P, slot_of)
+  batch = build_packed_batch(payload, adv, row_of, 3 * (T + P), 8, P, slot_of)
+  assert int(batch["segment_ids"].max()) == 3
+  check_batch(batch, LM.vocab_size, 8)
+  step = EncodeOnceStep(fns, EncodeOnceConfig())
+  got, sums = step.mini_batch_grads(state.params, images_on(step, iplan, images), [batch], total)
+  assert float(sums["tokens"]) == total
+  errs = max_rel_err(got, want)
+  assert max(errs.values()) <= 1e-5, errs
 
 
 @pytest.mark.slow

@@ -16,16 +16,17 @@ from flax import nnx
 
 from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
 from knittrans_jax.dataplane import plan_micro_batches
+from knittrans_jax.job.batching import build_packed_batch, segment_spans
 from knittrans_jax.mesh import replicated
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.hf import read_config
 from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, EncoderCalls, QwenVLImages,
-                                      image_fields, plan_images, plan_pack)
+                                      image_fields, packed_image_fields, plan_images, plan_pack)
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
                                  make_mesh, make_optimizer)
 from knittrans_jax.train.batch import batch_shardings, rows_multiple
-from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
+from knittrans_jax.types import GroupInfo, MiniBatch, Payload, TrajMeta
 from test_multimodal_dedup import max_rel_err
 
 FAMILY = "qwen2_5_vl"  # windowed attention with one full layer: the harder tower
@@ -142,6 +143,27 @@ def encode_once_inputs(fns, config, plan, micros, pixels):
   return pack, dedup
 
 
+def packed_micro_batch(micros, pack, config) -> dict:
+  """The padded micro-batches' trajectories packed two a row (job/batching), with
+  packed_image_fields' per-segment M-RoPE positions and rows of E."""
+  metas, toks, lps, masks, adv = [], [], [], [], {}
+  for text, ms in micros:
+    for b, m in enumerate(ms):
+      metas.append(m)
+      toks.append(text["tokens"][b, :m.length])
+      lps.append(text["behaviour_logp"][b, :m.length])
+      masks.append(text["loss_mask"][b, :m.length].astype(np.uint8))
+      adv[m.id] = float(text["advantages"][b])
+  payload = Payload(metas, toks, lps, masks, {})
+  rows = len(metas) // 2
+  row_of = {m.id: i % rows for i, m in enumerate(metas)}
+  batch = build_packed_batch(payload, adv, row_of, 2 * T, rows)
+  spans = segment_spans(payload, row_of, 2 * T, rows)
+  batch.update(packed_image_fields(batch["tokens"], spans, [m.image_ids for m in metas], pack,
+                                   config))
+  return batch
+
+
 @pytest.fixture(scope="module")
 def naive_fp32(checkpoint, data):
   """(micro-batches, total loss tokens, the naive gradient on the host), under dp."""
@@ -206,6 +228,13 @@ def test_encode_once_gradient_equals_naive_fp32(checkpoint, data, naive_fp32, la
   print(f"{layout} fp32: max relative gradient error {errors}; pack {pack.grid}")
   if layout != "dp":
     return
+  # Packed (JobConfig.packing): the 16 trajectories two a row in one micro-batch, M-RoPE
+  # restarting per segment, give the same gradient.
+  packed = packed_micro_batch(micros, pack, config)
+  assert int(packed["segment_ids"].max()) == 2
+  got, sums = steps["keep"].mini_batch_grads(params, images, [packed], total)
+  assert float(sums["tokens"]) == total
+  assert max(max_rel_err(got, want).values()) <= 1e-5
   # The comparison can fail: one row reading its image's embeddings one row of E off.
   bad = [dict(b) for b in dedup]
   row = bad[0]["tokens"][0] == IMAGE
@@ -279,3 +308,8 @@ def test_image_token_counts_are_named(checkpoint, data):
   grid = np.asarray([GRIDS[i[0]] for i in images])
   pos, _ = qwen_vl.mrope_positions(text["tokens"], grid, config, text["attention_mask"])
   np.testing.assert_array_equal(fields["positions"], pos.transpose(1, 0, 2))
+  # Packed: the same counts, named with the packed row and the segment's span.
+  spans = [(0, 0, int(text["attention_mask"][i].sum())) for i in range(len(metas))]
+  with pytest.raises(ValueError, match=rf"packed row 0, segment at \[0, {spans[b][2]}\): row 0: "
+                                       rf"image 'img0' has 15 merged patches"):
+    packed_image_fields(short[b:b + 1], [spans[b]], [images[b]], pack, config)

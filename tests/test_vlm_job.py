@@ -1,6 +1,7 @@
 """The VLM job end to end: disaggregated on demand with the encode-once step, colocated
 with the naive step; a damaged image chunk quarantined; a stochastic encoder refused.
-(tests/conftest.py runs this file's tests on one worker: two share the vlm_run job.)"""
+The disaggregated run trains packed (JobConfig.packing). (tests/conftest.py runs this
+file's tests on one worker: two share the vlm_run job.)"""
 import os
 
 import pytest
@@ -26,15 +27,25 @@ def check_vlm_run(work, mode):
 
 @pytest.fixture(scope="module")
 def vlm_run(tmp_path_factory):
-  """The VLM job disaggregated, on demand, with the encode-once step."""
+  """The VLM job disaggregated, on demand, with the encode-once step, packed (each
+  segment its own image prefix)."""
   work = tmp_path_factory.mktemp("vlm") / "run"
   finish(start(work, "JobConfig.mode = 'disaggregated'", "JobConfig.data_path = 'ondemand'",
-               "JobConfig.encode_once = True", gin_file="configs/vlm_grpo_test.gin"))
+               "JobConfig.encode_once = True", "JobConfig.packing = True",
+               gin_file="configs/vlm_grpo_test.gin"))
   return work
 
 
 def test_vlm_end_to_end_encode_once(vlm_run):
-  check_vlm_run(vlm_run, "disaggregated")
+  recs = check_vlm_run(vlm_run, "disaggregated")
+  # Packed rows of 16 image + 8 text positions: one trajectory (at least 16 + 4) a row,
+  # 2 micro-batches of 8 rows, the image positions counted as computed and filled.
+  store = TrajectoryStore.open("file://" + str(vlm_run / "store"))
+  metas = {m.id: m for m in store.list_committed()}
+  for r in recs:
+    filled = sum(metas[i].length + 16 for i in r["ids"])
+    assert r["micro_batches"] == 2
+    assert r["padding_fraction"] == pytest.approx(1 - filled / (2 * 8 * 24)), r
 
 
 def test_vlm_colocated_naive_step_centralized(tmp_path):

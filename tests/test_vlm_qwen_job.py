@@ -17,6 +17,7 @@ from flax import nnx
 from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
 from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.job.trainer import BatchLayout, OnDemand, Trainer
+from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
@@ -114,9 +115,21 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
     trainer = Trainer(fns, state, OnDemand(store), layout, [0, 1], encode_once=step, vision=True)
     grads[dedup] = jax.device_get(trainer.step(work, apply=False).grads)
     trainer.close()
+  # Packed (JobConfig.packing): two trajectories a row of 32 tokens, M-RoPE per segment.
+  packed = StepPlanner(2, 8, image_slots=encode_once_slots(shards, 2, 2),
+                       pack=PackLayout(row_tokens=32, max_rows=4, row_unit=4))(
+      MiniBatch(0, 0, groups, 0))
+  packed = dataclasses.replace(packed, advantages=work.advantages)
+  assert any(len(set(rows)) < len(rows) for c in packed.rows for rows in c)  # rows shared
+  step = EncodeOnceStep(fns, path=QwenVLImages(config.vision.merge))
+  trainer = Trainer(fns, state, OnDemand(store), dataclasses.replace(layout, seq_len=32), [0, 1],
+                    encode_once=step, vision=True)
+  grads["packed"] = jax.device_get(trainer.step(packed, apply=False).grads)
+  trainer.close()
   errs = max_rel_err(grads[True], grads[False])
   print(f"encode-once vs naive on the run's store: max relative gradient error {errs}")
   assert set(errs) == {"visual", "decoder"} and max(errs.values()) <= 1e-5, errs
+  assert max(max_rel_err(grads["packed"], grads[False]).values()) <= 1e-5
   assert min(float(np.max(np.abs(g))) for g in jax.tree.leaves(grads[True])) > 0
 
 

@@ -161,18 +161,20 @@ def _plan_packed(mini_batch, metas, C, pack, unit_host, consumer_host, tolerance
   """Trajectories to consumers by tokens (LPT, locality as above), then packed."""
   if consumer_host is not None and len(consumer_host) != C:
     raise ValueError(f"consumer_host has {len(consumer_host)} entries for {C} consumers")
-  long = [m for m in metas if m.length > pack.row_tokens]
+  P = pack.prefix_tokens  # a row position per prefix token too (the toy VLM's image)
+  long = [m for m in metas if m.length + P > pack.row_tokens]
   if long:
     m = long[0]
+    prefix = f" + {P} image prefix" if P else ""
     raise TooLongError(f"trajectory {m.id} (group {m.group_id}) has {m.length} tokens "
-                       f"({m.prompt_len} prompt + {m.response_len} response), more than a packed "
-                       f"row's {pack.row_tokens} (JobConfig.seq_len); {len(long)} of the "
+                       f"({m.prompt_len} prompt + {m.response_len} response{prefix}), more than a "
+                       f"packed row's {pack.row_tokens} (JobConfig.seq_len); {len(long)} of the "
                        "mini-batch's trajectories are that long")
   host_of, prefer = _host_prefs(C, unit_host, consumer_host)
-  items = [(m.length, (m,)) for m in metas]
+  items = [(m.length + P, (m,)) for m in metas]
   contents, loads, plain_loads, used = _assign(items, C, len(items), prefer, tolerance)
   shares = [[u[0] for _, u in chunk] for chunk in contents]
-  micro = pack_micro_batches([[m.length for m in share] for share in shares], pack)
+  micro = pack_micro_batches([[m.length + P for m in share] for share in shares], pack)
   consumers = tuple(tuple(tuple(shares[c][i] for i, _ in mb.items[c]) for mb in micro)
                     for c in range(C))
   rows = tuple(tuple(tuple(r for _, r in mb.items[c]) for mb in micro) for c in range(C))

@@ -28,15 +28,19 @@ from typing import Sequence
 class PackLayout:
   """row_tokens: tokens per packed row (JobConfig.seq_len); max_rows: rows of one
   consumer's micro-batch at most; row_unit: a consumer's row count is a multiple of
-  it (its rows split over the batch shards it owns)."""
+  it (its rows split over the batch shards it owns); prefix_tokens: positions every
+  trajectory takes in its row before its own tokens (the toy VLM's image embeddings,
+  models/vlm.py; 0 for text and Qwen-VL, whose image tokens are in the sequence)."""
   row_tokens: int
   max_rows: int
   row_unit: int = 1
+  prefix_tokens: int = 0
 
   def __post_init__(self):
-    if min(self.row_tokens, self.max_rows, self.row_unit) <= 0:
+    if min(self.row_tokens, self.max_rows, self.row_unit) <= 0 or self.prefix_tokens < 0:
       raise ValueError(f"PackLayout: row_tokens {self.row_tokens}, max_rows {self.max_rows} and "
-                       f"row_unit {self.row_unit} must be positive")
+                       f"row_unit {self.row_unit} must be positive, prefix_tokens "
+                       f"{self.prefix_tokens} not negative")
     if self.max_rows % self.row_unit:
       raise ValueError(f"PackLayout: max_rows {self.max_rows} is not a multiple of row_unit "
                        f"{self.row_unit}")

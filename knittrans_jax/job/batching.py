@@ -40,36 +40,65 @@ def build_batch(payload: Payload, advantages: dict, seq_len: int, rows: int) -> 
               advantages=adv, version_first=v_first, version_last=v_last)
 
 
+def segment_spans(payload: Payload, row_of: dict, seq_len: int, rows: int,
+                  prefix_tokens: int = 0) -> list[tuple[int, int, int]]:
+  """(row, start, end) of each trajectory's segment, in payload order: back to back
+  in its planned row (`row_of`: id -> row), `prefix_tokens` positions before its
+  tokens. A segment past the row is an error naming the trajectory."""
+  fill = np.zeros(rows, np.int64)
+  spans = []
+  for m, t in zip(payload.metas, payload.tokens):
+    r = row_of[m.id]
+    a = int(fill[r]) if 0 <= r < rows else 0
+    b = a + prefix_tokens + t.size
+    if not 0 <= r < rows or b > seq_len:
+      extra = f" + {prefix_tokens} prefix" if prefix_tokens else ""
+      raise ValueError(f"trajectory {m.id} ({t.size} tokens{extra}) does not fit packed row "
+                       f"{r} of {rows} x {seq_len} tokens ({a} already placed there)")
+    spans.append((r, a, b))
+    fill[r] = b
+  return spans
+
+
 def build_packed_batch(payload: Payload, advantages: dict, row_of: dict, seq_len: int,
-                       rows: int) -> dict:
+                       rows: int, prefix_tokens: int = 0, slot_of: dict | None = None) -> dict:
   """Packs each trajectory into its planned row (`row_of`: id -> row), back to back in
   the order given, each a segment: `segment_ids` numbers them from 1 in their row (0
   on padding), `positions` count from 0 in each, and what the padded batch holds per
   row (advantages, generating versions) is per token here, so a row holds several.
   The decoder attends within a segment only (models/decoder.py), so the loss and its
-  gradient are the padded batch's."""
+  gradient are the padded batch's.
+
+  The toy VLM (`prefix_tokens` P > 0): each segment starts with P positions for its
+  image's embeddings, `embed_index` [rows, seq_len] naming the row of the mini-batch's
+  E [slots * P, width] each takes (slot_of[id] * P + p; -1 on every other position),
+  as the padded VLM places the image before the text (models/vlm.py)."""
   shape = (rows, seq_len)
+  P = prefix_tokens
+  if P and slot_of is None:
+    raise ValueError("build_packed_batch: prefix_tokens without slot_of (each trajectory's "
+                     "image slot)")
   out = dict(tokens=np.zeros(shape, np.int32), attention_mask=np.zeros(shape, bool),
              segment_ids=np.zeros(shape, np.int32), positions=np.zeros(shape, np.int32),
              loss_mask=np.zeros(shape, np.float32), behaviour_logp=np.zeros(shape, np.float32),
              advantages=np.zeros(shape, np.float32),
              version_first=np.full(shape, -1, np.int32), version_last=np.full(shape, -1, np.int32))
-  fill = np.zeros(rows, np.int64)  # tokens placed in each row
+  if P:
+    out["embed_index"] = np.full(shape, -1, np.int32)
   segments = np.zeros(rows, np.int32)
-  for m, t, lp, mk in zip(payload.metas, payload.tokens, payload.logprobs, payload.loss_mask):
-    r = row_of[m.id]
-    a, b = int(fill[r]), int(fill[r]) + t.size
-    if not 0 <= r < rows or b > seq_len:
-      raise ValueError(f"trajectory {m.id} ({t.size} tokens) does not fit packed row {r} of "
-                       f"{rows} x {seq_len} tokens ({a} already placed there)")
+  spans = segment_spans(payload, row_of, seq_len, rows, P)
+  for (r, a, b), m, t, lp, mk in zip(spans, payload.metas, payload.tokens, payload.logprobs,
+                                     payload.loss_mask):
     segments[r] += 1
-    out["tokens"][r, a:b] = t
     out["attention_mask"][r, a:b] = True
     out["segment_ids"][r, a:b] = segments[r]
-    out["positions"][r, a:b] = np.arange(t.size)
-    out["loss_mask"][r, a:b] = mk
-    out["behaviour_logp"][r, a:b] = lp
+    out["positions"][r, a:b] = np.arange(b - a)
     out["advantages"][r, a:b] = advantages[m.id]
     out["version_first"][r, a:b], out["version_last"][r, a:b] = m.version_first, m.version_last
-    fill[r] = b
+    if P:
+      out["embed_index"][r, a:a + P] = slot_of[m.id] * P + np.arange(P)
+    a += P  # the text after the image
+    out["tokens"][r, a:b] = t
+    out["loss_mask"][r, a:b] = mk
+    out["behaviour_logp"][r, a:b] = lp
   return out

@@ -108,9 +108,10 @@ class JobConfig:
     rows = spec.mini_batch_groups * spec.group_size
     if self.micro_batch_size <= 0:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} must be positive")
-    if self.packing and self.suite == "vision":
-      raise ValueError("JobConfig.packing with suite 'vision': the VLM steps (an image prefix "
-                       "per row, Qwen-VL's M-RoPE) are not packed yet; set packing = False")
+    if self.packing and self.suite == "vision" and not self.encode_once:
+      raise ValueError("JobConfig.packing with suite 'vision' and encode_once = False: the "
+                       "naive VLM step (an image copy per row) is not packed; pack the "
+                       "encode-once step or set packing = False")
     if not self.packing and rows % self.micro_batch_size:
       raise ValueError(f"JobConfig.micro_batch_size = {self.micro_batch_size} does not divide "
                        f"the mini-batch's {rows} trajectories (g = {spec.mini_batch_groups} x "

@@ -35,7 +35,7 @@ from knittrans_jax.job.evaluation import Evaluator
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.roles import RolloutPool, TrainerHandle, TrainerLost
-from knittrans_jax.job.setup import JobSetup, make_admission, make_planner
+from knittrans_jax.job.setup import JobSetup, make_admission, make_planner, prefix_tokens
 from knittrans_jax.storage import TrajectoryStore
 
 
@@ -47,6 +47,7 @@ class Driver:
     """`trainers` set up and restored; `processes`: how many trainer processes step
     in collectives (a failure with several leaves no collective checkpoint)."""
     self.setup, self.cfg, self.workdir = setup, setup.cfg, workdir
+    self.row_tokens = setup.cfg.seq_len + prefix_tokens(setup)  # a row's positions, image too
     self.trainers, self.store, self.evaluator, self.processes = trainers, store, evaluator, processes
     # A unit's host as its writer registered it, looked up once per unit.
     self.planner = make_planner(setup, consumers, trainers,
@@ -167,8 +168,9 @@ class Driver:
         evaluation, eval_s = self._evaluate()
       self.log.step(mb, metas, v_consume, sums, grad_norm, admitted_tokens=work.total_tokens,
                     evaluation=evaluation, eval_s=eval_s, local_fraction=work.local_fraction,
-                    computed_tokens=work.computed_tokens(self.cfg.seq_len),
-                    micro_batches=work.num_micro_batches)
+                    computed_tokens=work.computed_tokens(self.row_tokens),
+                    micro_batches=work.num_micro_batches,
+                    prefix_tokens=self.row_tokens - self.cfg.seq_len)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:

@@ -104,11 +104,13 @@ class MetricsLog:
   def step(self, mb, metas, v_consume: int, sums: dict, grad_norm: float,
            admitted_tokens: int | None = None, evaluation: dict | None = None,
            eval_s: float = 0.0, local_fraction: float | None = None,
-           computed_tokens: int | None = None, micro_batches: int | None = None) -> None:
+           computed_tokens: int | None = None, micro_batches: int | None = None,
+           prefix_tokens: int = 0) -> None:
     """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time.
     local_fraction: the step's rows planned onto a consumer on their unit's host.
     computed_tokens: the token positions the step computed on (padding included):
-    its padding_fraction is the share of them no trajectory filled."""
+    its padding_fraction is the share of them no trajectory filled (a trajectory fills
+    its tokens and `prefix_tokens` image positions, the tiny VLM's)."""
     self.eval_s += eval_s
     arch = [v_consume - m.version_first - mb.index for m in metas]
     self.arch += arch
@@ -139,7 +141,7 @@ class MetricsLog:
     }
     if computed_tokens:
       rec.update(micro_batches=micro_batches, padding_fraction=1.0 - sum(
-          m.length for m in metas) / computed_tokens)
+          m.length + prefix_tokens for m in metas) / computed_tokens)
     if episodes:  # agent episodes: turns, their own staleness, where the time went
       turn_arch = [v_consume - t.version_first - mb.index for m in episodes for t in m.turns]
       self.turn_arch += turn_arch

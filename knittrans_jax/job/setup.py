@@ -230,20 +230,28 @@ def make_planner(setup: JobSetup, consumers: int, trainers,
                    if trainers.encode_once else None),
       consumer_host=trainers.consumer_host, unit_host=unit_host,
       locality_tolerance=cfg.locality_tolerance,
-      pack=pack_layout(cfg, consumers, trainers.rows_multiple) if cfg.packing else None)
+      pack=(pack_layout(cfg, consumers, trainers.rows_multiple, prefix_tokens(setup))
+            if cfg.packing else None))
 
 
-def pack_layout(cfg, consumers: int, rows_multiple: int) -> PackLayout:
-  """Packed rows of seq_len tokens, up to micro_batch_size rows a micro-batch over all
-  consumers; a consumer's row count keeps the global one a multiple of the mesh's
-  batch shards."""
+def prefix_tokens(setup: JobSetup) -> int:
+  """Positions the tiny VLM's image takes before each trajectory's text (0 otherwise)."""
+  return setup.vision.prefix_tokens if setup.vision is not None else 0
+
+
+def pack_layout(cfg, consumers: int, rows_multiple: int, prefix: int = 0) -> PackLayout:
+  """Packed rows of seq_len tokens (plus the tiny VLM's image `prefix`, so a trajectory
+  that fits a padded row fits a packed one), up to micro_batch_size rows a micro-batch
+  over all consumers; a consumer's row count keeps the global one a multiple of the
+  mesh's batch shards."""
   unit = rows_multiple // math.gcd(rows_multiple, consumers)
   max_rows = cfg.micro_batch_size // consumers
   if max_rows % unit:
     raise ValueError(f"JobConfig.micro_batch_size = {cfg.micro_batch_size}: {max_rows} packed rows "
                      f"per consumer ({consumers} consumers) do not split over the mesh's "
                      f"{rows_multiple} batch shards")
-  return PackLayout(row_tokens=cfg.seq_len, max_rows=max_rows, row_unit=unit)
+  return PackLayout(row_tokens=cfg.seq_len + prefix, max_rows=max_rows, row_unit=unit,
+                    prefix_tokens=prefix)
 
 
 def make_admission(setup: JobSetup):

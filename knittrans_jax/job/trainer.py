@@ -47,12 +47,13 @@ import numpy as np
 
 from knittrans_jax.dataplane import OnDemandReads, describe
 from knittrans_jax.dataplane.centralized import CentralizedReads
-from knittrans_jax.job.batching import build_batch, build_packed_batch
+from knittrans_jax.job.batching import build_batch, build_packed_batch, segment_spans
 from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
-                                      image_fields, read_owned_images, read_slot_images)
+                                      image_fields, packed_image_fields, read_owned_images,
+                                      read_slot_images)
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.train import Checkpointer, StepFunctions, TrainState, check_batch, put_batch
 from knittrans_jax.train.batch import batch_shardings
@@ -98,6 +99,11 @@ class BatchLayout:
     """Qwen-VL (multimodal/qwen_images.py): stored images -> the tower's inputs."""
     v = self.vision
     return QwenImageInputs(v.qwen, v.processor) if v is not None and v.qwen is not None else None
+
+  @property
+  def prefix_tokens(self) -> int:
+    """The tiny VLM's image positions before each row's text (0 otherwise)."""
+    return self.vision.prefix_tokens if self.vision is not None else 0
 
   @property
   def image_grid(self) -> tuple[int, int, int] | None:
@@ -282,9 +288,12 @@ class Trainer:
       payload = Payload([payload.metas[i] for i in keep], [payload.tokens[i] for i in keep],
                         [payload.logprobs[i] for i in keep], [payload.loss_mask[i] for i in keep],
                         payload.images)
-    if seg.work.packed:
+    packed = seg.work.packed
+    if packed:  # the tiny VLM's image before each segment's text (encode-once only)
       rows, row_of = seg.work.local_rows(self.mine, k)
-      batch = build_packed_batch(payload, seg.work.advantages, row_of, lay.seq_len, rows)
+      P, row_tokens = lay.prefix_tokens, lay.seq_len + lay.prefix_tokens
+      batch = build_packed_batch(payload, seg.work.advantages, row_of, row_tokens, rows, P,
+                                 seg.slot_of if P else None)
     else:
       batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
     for m, mask in zip(payload.metas, payload.loss_mask):  # the normaliser was planned from these
@@ -294,7 +303,12 @@ class Trainer:
             f"metadata counts {m.trained_tokens} (loss_tokens={m.loss_tokens}, response_len="
             f"{m.response_len}); units of storage formats 1-3 do not count masked tokens, so "
             "they train only with all-ones masks: write masked rollouts to a new unit")
-    if lay.qwen is not None:
+    if lay.qwen is not None and packed:  # M-RoPE restarting per segment
+      spans = segment_spans(payload, row_of, row_tokens, rows)
+      batch.update(packed_image_fields(batch["tokens"], spans,
+                                       [m.image_ids for m in payload.metas], seg.pack,
+                                       lay.qwen.model))
+    elif lay.qwen is not None:
       rows = [m.image_ids for m in payload.metas] + [()] * (lay.rows - len(payload.metas))
       if self.encode_once is not None:  # each image-pad token's row of the mini-batch's E
         batch.update(image_fields(batch["tokens"], batch["attention_mask"], rows, seg.pack,
@@ -304,9 +318,10 @@ class Trainer:
             batch["tokens"], batch["attention_mask"],
             [payload.images[r[0]] if r else None for r in rows], lay.image_grid, {}))
     elif self.encode_once is not None:
-      index = np.zeros(lay.rows, np.int32)  # padding rows: any slot, no loss
-      index[:len(payload.metas)] = [seg.slot_of[m.id] for m in payload.metas]
-      batch["image_index"] = index
+      if not packed:  # packed rows carry embed_index (build_packed_batch)
+        index = np.zeros(lay.rows, np.int32)  # padding rows: any slot, no loss
+        index[:len(payload.metas)] = [seg.slot_of[m.id] for m in payload.metas]
+        batch["image_index"] = index
     elif self.vision:  # the naive step: the image copied into every row
       images = np.zeros((lay.rows, *lay.image_shape), np.float32)
       for i, m in enumerate(payload.metas):

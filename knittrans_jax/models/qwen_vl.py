@@ -272,16 +272,18 @@ class QwenVL(nnx.Module):
     return image_embeds
 
   def __call__(self, tokens, attention_mask, pixel_values=None, image_grid_thw=None, *,
-               positions=None, image_embeds=None, hidden: bool = False):
+               positions=None, image_embeds=None, segment_ids=None, hidden: bool = False):
     """`positions` [3, B, T] from mrope_positions (computed here from host tokens when
     not given); `image_embeds`, the output of `encode` (or [B, T, width] aligned with the
-    tokens, see `embed`), in place of pixel_values. `hidden`: the decoder's `Hidden`
-    (the train step's chunked log-probs) in place of the logits."""
+    tokens, see `embed`), in place of pixel_values. `segment_ids` [B, T]: packed rows
+    (the decoder's), `positions` then restarting per segment
+    (qwen_images.packed_image_fields). `hidden`: the decoder's `Hidden` (the train
+    step's chunked log-probs) in place of the logits."""
     if positions is None:
       positions, _ = mrope_positions(tokens, image_grid_thw, self.config, attention_mask)
     x = self.embed(tokens, self._image_embeds(pixel_values, image_grid_thw, image_embeds))
     return self.decoder(tokens, attention_mask, positions=jnp.asarray(positions), embeds=x,
-                        hidden=hidden)
+                        segment_ids=segment_ids, hidden=hidden)
 
   # -- incremental decoding (the rollout sampler) -----------------------------
   def prefill(self, tokens, valid, capacity: int, pixel_values=None, image_grid_thw=None, *,

@@ -81,6 +81,12 @@ class VisionSpec:
     return "vit" if self.vit is not None else "qwen_vl"
 
   @property
+  def prefix_tokens(self) -> int:
+    """Positions an image takes before its row's text: the tiny VLM's projected tokens
+    (models/vlm.py); 0 for Qwen-VL, whose image-pad tokens are in the text."""
+    return self.vit.num_tokens if self.vit is not None else 0
+
+  @property
   def image_shape(self) -> tuple[int, int, int]:
     """A stored image's shape: float32 [S, S, channels] for the tiny VLM; for Qwen-VL
     the 8-bit RGB image a data set holds (the processor runs at the consumer)."""

@@ -166,6 +166,7 @@ class ImagePath:
   images_axes: tuple  # logical axes of the images' array
   embeds_axes: tuple  # logical axes of E
   index_keys: tuple[str, ...]  # micro-batch fields that find each row's embeddings in E
+  packed_index_keys: tuple[str, ...] = ()  # the same for packed rows (segment_ids present)
   naive_keys: tuple[str, ...]  # the naive step's image fields (must not come here)
 
   def encode(self, model, images):
@@ -194,17 +195,29 @@ class ImagePath:
 @dataclasses.dataclass(frozen=True)
 class PrefixImages(ImagePath):
   """models/vlm.py's VLM: slots [U, H, W, C] -> E [U, tokens, d]; each row's slot
-  (batch['image_index'] [B]) goes before its text tokens."""
+  (batch['image_index'] [B]) goes before its text tokens. Packed rows
+  (job/batching.build_packed_batch) carry instead `embed_index` [B, T]: the row of E
+  flattened to [U * tokens, d] each image position takes (-1 on text), so every
+  segment has its own image before its text, at positions restarting per segment."""
   encoder_keys = ENCODER_KEYS
   images_axes = ("batch", None, None, None)
   embeds_axes = ("batch", None, None)
   index_keys = ("image_index",)
+  packed_index_keys = ("embed_index", "segment_ids", "positions")
   naive_keys = ("images",)
 
   def encode(self, model, images):
     return model.encode(images)
 
   def logits(self, model, embeds, batch):
+    if "segment_ids" in batch:
+      flat = embeds.reshape(-1, embeds.shape[-1])
+      index = batch["embed_index"]
+      rows = jnp.take(flat, jnp.maximum(index, 0), axis=0)  # VJP: scatter-add into dE
+      x = jnp.where((index >= 0)[..., None], rows.astype(flat.dtype),
+                    model.decoder.embed(batch["tokens"]).astype(flat.dtype))
+      return model.decoder(batch["tokens"], batch["attention_mask"], positions=batch["positions"],
+                           segment_ids=batch["segment_ids"], embeds=x, hidden=True)
     prefix = jnp.take(embeds, batch["image_index"], axis=0)  # its VJP: scatter-add into dE
     return model.decode(prefix, batch["tokens"], batch["attention_mask"], hidden=True)
 
@@ -325,6 +338,8 @@ class EncodeOnceStep:
     embedding cotangents into `acc_e` (both donated). The path's index fields (the
     toy VLM's `image_index` [B], each row's slot in E) find the rows' embeddings."""
     index, naive = self.path.index_keys, self.path.naive_keys
+    if "segment_ids" in batch:
+      index = self.path.packed_index_keys or index
     if any(k not in batch for k in index) or any(k in batch for k in naive):
       raise ValueError(f"an encode-once micro-batch carries {list(index)} (where its rows' "
                        f"embeddings sit in the mini-batch's E) and none of {list(naive)}; got "

@@ -22,6 +22,9 @@ Host side (numpy, pure Python over metadata):
               `embed_index` [B, T] (the row of E each image-pad token takes; 0 on
               other tokens, which never read it). A run of image-pad tokens that is
               not its image's size is an error naming both counts.
+  packed_image_fields  The same for packed rows (job/batching.build_packed_batch):
+              each trajectory's M-RoPE positions computed alone and placed at its
+              segment, so they restart per segment as the padded row's start at 0.
   QwenImageInputs  Stored uint8 images -> pixel_values at the consumer (why the store
               keeps the image: its docstring); the trainer's encode-once pack of its
               consumers' images and the naive step's per-row fields.
@@ -151,6 +154,31 @@ def image_fields(tokens, attention_mask, row_images: Sequence[Sequence[str]], pa
   (module doc). Row b's k-th run of image-pad tokens is the image row_images[b][k]."""
   positions, index, _ = image_positions(tokens, attention_mask, row_images, pack, config)
   return {"positions": np.ascontiguousarray(positions.transpose(1, 0, 2)), "embed_index": index}
+
+
+def packed_image_fields(tokens, spans: Sequence[tuple[int, int, int]],
+                        segment_images: Sequence[Sequence[str]], pack: ImagePack,
+                        config: QwenVLConfig) -> dict[str, np.ndarray]:
+  """`positions` int32 [B, 3, T] and `embed_index` int32 [B, T] for a packed micro-batch
+  `tokens` [B, T]: segment k spans tokens[row, start:end] (spans[k] = (row, start, end),
+  job/batching.segment_spans) and holds the images segment_images[k]. Each segment's
+  fields are image_fields' for it alone (positions from 0); padding is 0."""
+  tokens = np.asarray(tokens)
+  B, T = tokens.shape
+  if len(segment_images) != len(spans):
+    raise ValueError(f"segment_images has {len(segment_images)} entries; there are "
+                     f"{len(spans)} segments")
+  positions = np.zeros((B, 3, T), np.int32)
+  index = np.zeros((B, T), np.int32)
+  for (r, a, b), images in zip(spans, segment_images):
+    seg = tokens[r:r + 1, a:b]
+    try:
+      p, i, _ = image_positions(seg, np.ones_like(seg, bool), [images], pack, config)
+    except ValueError as e:
+      raise ValueError(f"packed row {r}, segment at [{a}, {b}): {e}") from None
+    positions[r, :, a:b] = p[:, 0]
+    index[r, a:b] = i[0]
+  return {"positions": positions, "embed_index": index}
 
 
 def image_positions(tokens, attention_mask, row_images: Sequence[Sequence[str]],
@@ -289,12 +317,14 @@ def naive_qwen_forward(grid: tuple[int, int, int], calls=None):
 @dataclasses.dataclass(frozen=True)
 class QwenVLImages(ImagePath):
   """models/qwen_vl.py's QwenVL: PackedImages -> E [merged patches, width]; each
-  image-pad token takes E[batch['embed_index']] at M-RoPE batch['positions']."""
+  image-pad token takes E[batch['embed_index']] at M-RoPE batch['positions'] (packed
+  rows: within its batch['segment_ids'] segment, packed_image_fields)."""
   merge: int = 2  # the tower's spatial merge (QwenVisionConfig.merge): patches per E row
   encoder_keys = ("visual",)
   images_axes = ("batch", None)
   embeds_axes = ("batch", None)
   index_keys = ("embed_index", "positions")
+  packed_index_keys = ("embed_index", "positions", "segment_ids")
   naive_keys = ("pixel_values", "images")
 
   def encode(self, model, images: PackedImages):
@@ -304,7 +334,7 @@ class QwenVLImages(ImagePath):
     rows = jnp.take(embeds, batch["embed_index"], axis=0)  # [B, T, width], by token
     positions = jnp.moveaxis(batch["positions"], 1, 0)  # [B, 3, T] -> the decoder's [3, B, T]
     return model(batch["tokens"], batch["attention_mask"], positions=positions,
-                 image_embeds=rows, hidden=True)
+                 image_embeds=rows, segment_ids=batch.get("segment_ids"), hidden=True)
 
   def num_images(self, images: PackedImages) -> int:
     return len(images.grid)
