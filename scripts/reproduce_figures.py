@@ -12,6 +12,9 @@ staleness (simulator, configs/sim/paper_text.gin):
 runs (scripts/train.py, configs/text_grpo_tiny.gin; colocated and one run per policy):
   runs_staleness.png       CDF of measured architectural staleness per run
   learning_curves.png      reward per optimizer step per run
+real_job (scripts/real_staleness.py, configs/agentic_tails.gin and text_long_tails.gin):
+  real_frontier_<workload>.png  staleness against throughput per configuration,
+                           measured and the simulator's replay of the same runs
 learning (scripts/study.py, configs/study/staleness.gin; 5 seeds per configuration):
   study_learning_curves.png  held-out reward of the current policy, mean and 95% band
   study_dose_response.png    final reward against mean architectural staleness
@@ -35,6 +38,7 @@ import time
 
 import figures_learning
 import figures_multimodal
+import figures_real_job
 import figures_runs
 import figures_staleness
 import figures_transfer
@@ -42,6 +46,7 @@ from knittrans_jax import gin_cli
 
 SECTIONS = {"staleness": figures_staleness.staleness_section,
             "runs": figures_runs.runs_section,
+            "real_job": figures_real_job.real_job_section,
             "learning": figures_learning.learning_section,
             "transfer": figures_transfer.transfer_section,
             "multimodal": figures_multimodal.multimodal_section}
@@ -64,7 +69,7 @@ def write_summary(out, numbers):
     f.write("\n".join(lines))
 
 
-GROUPS = ("staleness", "runs", "learning", "transfer", "multimodal")
+GROUPS = ("staleness", "runs", "real_job", "learning", "transfer", "multimodal")
 
 
 def main():
@@ -84,6 +89,9 @@ def main():
                       "(e.g. 'tails:'), keeping the others' numbers")
   parser.add_argument("--train_batches", type=int, default=None,
                       help="train batches per tiny run (default 100; quick 8, five of the runs)")
+  parser.add_argument("--reuse_real_job", action="store_true",
+                      help="real_job group: read the real_staleness_*.json already in --work "
+                      "(each records the command that made it) instead of rerunning them")
   args = parser.parse_args()
   if not args.gin_file:
     args.gin_file = ["configs/sim/paper_text.gin"]
@@ -101,6 +109,7 @@ def main():
   numbers.setdefault("made", {})
   numbers.pop("wall_s", None)
   command = " ".join(["python scripts/reproduce_figures.py"] + (["--quick"] if args.quick else [])
+                     + (["--reuse_real_job"] if args.reuse_real_job else [])
                      + ([f"--runs_matching '{args.runs_matching}'"] if args.runs_matching else [])
                      + ([f"--train_batches {args.train_batches}"] if args.train_batches else [])
                      + ([f"--sensitivity_batches {args.sensitivity_batches}"]
@@ -112,6 +121,8 @@ def main():
           args.out, sens, (0,) if args.quick else (0, 1, 2, 3, 4)),
       "runs": lambda: figures_runs.real_runs(args.out, os.path.abspath(args.work), batches,
                                              args.runs_matching, numbers.get("runs"), args.quick),
+      "real_job": lambda: figures_real_job.real_job(args.out, os.path.abspath(args.work),
+                                                    args.quick, args.reuse_real_job),
       "learning": lambda: figures_learning.learning(args.out, os.path.abspath(args.work),
                                                     args.quick),
       "transfer": lambda: figures_transfer.transfer(args.out, os.path.abspath(args.work),

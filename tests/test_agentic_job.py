@@ -10,6 +10,8 @@ import pytest
 
 from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.rollout import tasks
+from knittrans_jax.sim import simulate
+from knittrans_jax.sim.trace import Trace, steady_state
 from knittrans_jax.storage import TrajectoryStore
 from test_job import finish, start
 
@@ -77,3 +79,13 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   assert summary["logprob_abs_diff_max"] < 1e-4
   rewards = [r["reward"] for r in recs]
   assert np.mean(rewards[-8:]) > np.mean(rewards[:8]), rewards
+  # trace.json: each finished group's generation time and each step's time, which the
+  # simulator replays (sim/trace.py) at the run's configuration.
+  raw = json.load(open(os.path.join(work, "trace.json")))
+  assert len(raw["step_seconds"]) == 30 and all(t > 0 for t in raw["step_seconds"])
+  assert {g["group"] for g in raw["groups"]} >= {metas[i].group_id for i in ids}
+  trace = Trace.from_run(str(work))
+  assert set(trace.group_seconds) == {"hop", "nearest"} and trace.concurrent_groups is None
+  sim = steady_state(simulate(trace.sim_config(15), raw["policy"], window=raw["window"],
+                              dispatch=raw["dispatch"]), trace.spec, skip_steps=2)
+  assert sim["traj_per_s"] > 0 and sim["quota_violations"] == 0

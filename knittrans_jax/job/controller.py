@@ -58,6 +58,10 @@ class Controller:
     self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
     self._last_progress = clock()
     self._sent_at: dict[int, float] = {}  # group id -> when it was dispatched (this process)
+    # Each finished group's source, dispatch and report times (seconds from here) and
+    # the pool's generation time: what the simulator's trace mode replays (sim/trace.py).
+    self._t0 = clock()
+    self.group_times: list[dict] = []
     if state.stream is not None:
       dispatch.restore(state.stream)
     if state.position is not None:
@@ -151,8 +155,12 @@ class Controller:
     # compiled); dispatch-to-done otherwise. The first excludes the wait in a
     # worker's queue, which the dispatch order itself sets (a source started first
     # waits less and would look faster than it is).
+    now = self.clock()
+    self.group_times.append({"group": metas[0].group_id, "source": metas[0].source,
+                             "sent": None if sent is None else sent - self._t0,
+                             "done": now - self._t0, "seconds": seconds})
     if seconds is None and sent is not None and not self.pool.timed_generation:
-      seconds = self.clock() - sent
+      seconds = now - sent
     if seconds is not None:
       self.dispatch_order.observe(metas[0].source, seconds)
     dropped = self.policy.finished(GroupInfo.from_metas(metas))

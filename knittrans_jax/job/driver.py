@@ -19,6 +19,7 @@ when due and, when due, a checkpoint is written. The same loop runs a local run
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import json
 import os
@@ -47,6 +48,7 @@ class Driver:
     """`trainers` set up and restored; `processes`: how many trainer processes step
     in collectives (a failure with several leaves no collective checkpoint)."""
     self.setup, self.cfg, self.workdir = setup, setup.cfg, workdir
+    self.step_seconds: list[float] = []  # per step: launch to fetched, plus publishing
     self.row_tokens = setup.cfg.seq_len + prefix_tokens(setup)  # a row's positions, image too
     self.trainers, self.store, self.evaluator, self.processes = trainers, store, evaluator, processes
     # A unit's host as its writer registered it, looked up once per unit.
@@ -119,6 +121,8 @@ class Driver:
     if self.evaluator is not None:
       summary["eval_train_overlap"] = self.evaluator.train_overlap(range(self.state.next_group))
     write_summary(self.workdir, summary)
+    if controller is not None:
+      write_trace(self.workdir, self.setup, controller.group_times, self.step_seconds)
     gin_cli.save_operative_config(self.workdir)
     return summary
 
@@ -149,6 +153,7 @@ class Driver:
         continue
       mb, work = ahead.popleft()
       v_consume = trainers.version
+      t_step = time.perf_counter()
       result = trainers.step(work)  # applied on dispatch; the devices compute on
       failure = None
       if trainers.version < target:  # admit and read the next one meanwhile
@@ -161,6 +166,7 @@ class Driver:
       # Record the step before anything else can fail: its update is applied, so a
       # checkpoint written now must count its groups as trained.
       sums, grad_norm = result.fetch()  # the step's one host round trip
+      train_s = time.perf_counter() - t_step
       ctl.trained(mb)
       metas = [m for grp in mb.groups for m in grp.metas]
       evaluation, eval_s = None, 0.0
@@ -170,15 +176,32 @@ class Driver:
                     evaluation=evaluation, eval_s=eval_s, local_fraction=work.local_fraction,
                     computed_tokens=work.computed_tokens(self.row_tokens),
                     micro_batches=work.num_micro_batches,
-                    prefix_tokens=self.row_tokens - self.cfg.seq_len)
+                    prefix_tokens=self.row_tokens - self.cfg.seq_len, train_s=train_s)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:
         raise failure
       if self.cfg.mode != "colocated":
+        t_pub = time.perf_counter()
         trainers.publish()  # synchronous: before the next train batch is dispatched
+        train_s += time.perf_counter() - t_pub
+      self.step_seconds.append(train_s)  # the trainer's time for this step, publish included
       if trainers.save_due():
         trainers.save(ctl.progress())
+
+
+def write_trace(workdir: str, setup: JobSetup, group_times: list[dict],
+                step_seconds: list[float]) -> None:
+  """trace.json: what the simulator's trace mode needs to replay this run
+  (sim/trace.py): the run's shape, each finished group's times, each step's time."""
+  cfg, spec = setup.cfg, setup.cfg.spec
+  trace = {"spec": dataclasses.asdict(spec), "workers": cfg.workers,
+           "groups_per_call": cfg.groups_per_call, "engine": cfg.engine, "suite": cfg.suite,
+           "mode": cfg.mode, "policy": cfg.policy, "window": cfg.groups_in_flight,
+           "dispatch": cfg.dispatch, "seed": cfg.seed, "groups": group_times,
+           "step_seconds": step_seconds}
+  with open(os.path.join(workdir, "trace.json"), "w") as f:
+    json.dump(trace, f)
 
 
 def write_summary(workdir: str, summary: dict) -> None:

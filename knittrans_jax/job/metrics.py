@@ -105,7 +105,7 @@ class MetricsLog:
            admitted_tokens: int | None = None, evaluation: dict | None = None,
            eval_s: float = 0.0, local_fraction: float | None = None,
            computed_tokens: int | None = None, micro_batches: int | None = None,
-           prefix_tokens: int = 0) -> None:
+           prefix_tokens: int = 0, train_s: float | None = None) -> None:
     """eval_s: the seconds `evaluation` took; time_s - eval_s is training wall time.
     local_fraction: the step's rows planned onto a consumer on their unit's host.
     computed_tokens: the token positions the step computed on (padding included):
@@ -139,6 +139,8 @@ class MetricsLog:
         "local_fraction": local_fraction,
         "time_s": time.perf_counter() - self.t0, "eval_s": self.eval_s,
     }
+    if train_s is not None:  # the step's launch to its fetched sums (the driver's view)
+      rec["train_s"] = train_s
     if computed_tokens:
       rec.update(micro_batches=micro_batches, padding_fraction=1.0 - sum(
           m.length + prefix_tokens for m in metas) / computed_tokens)

@@ -57,6 +57,13 @@ class SimConfig:
   interrupt_cost_s: float = 0.5
   train_batches: int = 20
   seed: int = 0
+  # Trace mode (sim/trace.py: what a real run recorded). group_seconds: each group's
+  # n responses all take one time drawn, with replacement, from its source's recorded
+  # group times (the length models and time_per_token_s then go unused);
+  # train_step_seconds: each mini-batch takes a recorded step time likewise (in place
+  # of trainer_fixed_s + trainer_per_token_s * tokens).
+  group_seconds: Mapping[str, tuple[float, ...]] | None = None
+  train_step_seconds: tuple[float, ...] | None = None
 
   def __post_init__(self):
     spec = self.spec if self.spec is not None else TrainBatchSpec()
@@ -75,6 +82,19 @@ class SimConfig:
     for name in ("engines", "slots_per_engine", "train_batches"):
       if getattr(self, name) <= 0:
         raise ValueError(f"SimConfig.{name} = {getattr(self, name)} must be positive")
+    if self.group_seconds is not None:
+      times = {k: tuple(float(t) for t in v) for k, v in self.group_seconds.items()}
+      object.__setattr__(self, "group_seconds", times)
+      for name in models:
+        if not times.get(name) or min(times[name]) < 0:
+          raise ValueError(f"SimConfig.group_seconds[{name!r}]: the trace has no times (or a "
+                           f"negative one) for a source the run dispatches")
+    if self.train_step_seconds is not None:
+      steps = tuple(float(t) for t in self.train_step_seconds)
+      object.__setattr__(self, "train_step_seconds", steps)
+      if not steps or min(steps) < 0:
+        raise ValueError(f"SimConfig.train_step_seconds = {steps[:4]}...: give recorded step "
+                         "times, at least one, none negative")
     if self.slots < spec.group_size:
       raise ValueError(f"{self.slots} decode slots cannot hold one group of {spec.group_size}")
 

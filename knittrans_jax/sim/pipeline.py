@@ -56,6 +56,7 @@ class SimResult:
   rollout_s: np.ndarray  # per finished group: dispatch to last response done
   v_done: np.ndarray  # per trajectory: the version when its group finished decoding
   max_in_window: int = 0  # most groups ever dispatched but not trained or dropped
+  step_end_s: np.ndarray | None = None  # per optimizer step: when it finished
 
   @property
   def arch(self) -> np.ndarray:
@@ -99,9 +100,13 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   tpt = config.time_per_token_s
 
   # Group tables (grown as groups are dispatched).
-  g_source, g_lengths, g_vstart, g_left, g_dispatch, g_tokens = [], [], [], [], [], []
+  g_source, g_dur, g_vstart, g_left, g_dispatch, g_tokens = [], [], [], [], [], []
   g_vdone = {}  # group id -> version when its last response finished
   lengths = LengthSampler(config, rng)
+  # Trace mode draws recorded times from its own stream: the model mode's draws stay as
+  # they were.
+  trace_rng = np.random.default_rng([config.seed, 104729])
+  traced = config.group_seconds is not None
   events: list = []
   seq = 0
   queue: collections.deque = collections.deque()  # requests waiting for a slot
@@ -126,6 +131,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   rec = collections.defaultdict(list)
   mb_counts = []
   rollout_versions, rollout_s = [], []
+  step_end = []
   current_mb = None
 
   def push(t, kind, payload):
@@ -146,8 +152,8 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       gid, r = queue.popleft()
       free -= 1
       g_vstart[gid][r] = v
-      src = config.sources[g_source[gid]]
-      end = now + src.prefill_s + g_lengths[gid][r] * tpt
+      pre, dur = g_dur[gid][r]
+      end = now + pre + dur  # summed in the order the model mode always has
       req_end[(gid, r)], req_gen[(gid, r)], req_start[(gid, r)] = end, 0, now
       push(end, _RESP, (gid, r, 0))
 
@@ -156,8 +162,13 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     gid = len(g_source)
     g_source.append(source)
     lens = lengths.take(source, n)
-    g_lengths.append(lens)
-    g_tokens.append(sum(lens) + n * config.sources[source].prompt_tokens)
+    src = config.sources[source]
+    if traced:  # the whole group takes one recorded time
+      times = config.group_seconds[source]
+      g_dur.append([(0.0, times[trace_rng.integers(len(times))])] * n)
+    else:
+      g_dur.append([(src.prefill_s, x * tpt) for x in lens])
+    g_tokens.append(sum(lens) + n * src.prompt_tokens)
     g_vstart.append([0] * n)
     g_left.append(n)
     g_dispatch.append(now)
@@ -211,7 +222,12 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       rec["group"] += [gid] * n
       rec["v_done"] += [g_vdone[gid]] * n
     mb_counts.append((mb.train_batch, mb.index, collections.Counter(grp.source for grp in mb.groups)))
-    push(now + config.trainer_fixed_s + config.trainer_per_token_s * tokens, _TRAIN, None)
+    if config.train_step_seconds is not None:
+      steps_s = config.train_step_seconds
+      took = steps_s[trace_rng.integers(len(steps_s))]
+    else:
+      took = config.trainer_fixed_s + config.trainer_per_token_s * tokens
+    push(now + took, _TRAIN, None)
 
   dispatch()
   while events and steps < target_steps:
@@ -244,6 +260,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       trainer_busy = False
       version += 1
       steps += 1
+      step_end.append(now)
       if config.publish == "step" or mb.index == M - 1:
         published.append((now, version))
         if config.interrupt_on_sync and not colocated:
@@ -272,4 +289,5 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       mini_batch_counts=mb_counts, dropped=dict(dropped), mean_in_system=area / now,
       mean_sojourn_s=sojourn_sum / max(groups_done, 1), groups_done=groups_done,
       rollout_versions=np.asarray(rollout_versions), rollout_s=np.asarray(rollout_s),
-      v_done=as_array("v_done"), max_in_window=max_in_window)
+      v_done=as_array("v_done"), max_in_window=max_in_window,
+      step_end_s=np.asarray(step_end))
