@@ -1,6 +1,7 @@
 """Benchmarks run and write every key they promise (no speed asserted here)."""
 import importlib
 import json
+import os
 import subprocess
 import sys
 
@@ -254,3 +255,31 @@ def test_bench_rollout_agentic_writes_its_json(tmp_path):
   assert 0 < r["engine_utilization"] <= r["busy_fraction"] <= 1
   t = r["turns_per_episode"]
   assert 1 <= t["p50"] <= t["max"] <= 8 and r["response_tokens"] > 0
+
+
+@pytest.mark.slow
+def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path):
+  """scripts/real_staleness.py at toy size: the baselines at G, 2G and 4G and one
+  constraint-preserving window, each run replayed by the simulator from its own
+  trace.json; --resimulate gives the same replays (seeded)."""
+  out = tmp_path / "rs.json"
+  proc = subprocess.run([sys.executable, "scripts/real_staleness.py", "--gin_file",
+                         "configs/agentic_test.gin", "--seeds", "0", "--train_batches", "3",
+                         "--skip_train_batches", "1", "--windows", "2", "--dispatch", "shuffled",
+                         "--json", str(out)], capture_output=True, text=True, timeout=600,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  r = json.loads(out.read_text())
+  assert set(r["reduction_by_baseline_window"]) == {"G", "2G", "4G"} and r["G"] == 8
+  assert {(x["policy"], x["window"]) for x in r["runs"]} >= {
+      ("train_batch", 8), ("train_batch", 16), ("train_batch", 32), ("constraint_preserving", 8)}
+  for x in r["runs"]:
+    assert x["traj_per_s"] > 0 and x["quota_violations"] == 0 and x["sim"]["traj_per_s"] > 0
+    assert (tmp_path / "rs" / os.path.basename(x["workdir"]) / "trace.json").exists()
+  assert r["sim_relative_error"]["n"] >= len(r["runs"]) and len(r["frontier"]) == len(r["runs"])
+  before = [x["sim"] for x in r["runs"]]
+  proc = subprocess.run([sys.executable, "scripts/real_staleness.py", "--gin_file", "x",
+                         "--json", str(out), "--resimulate"], capture_output=True, text=True,
+                        timeout=300)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert [x["sim"] for x in json.loads(out.read_text())["runs"]] == before

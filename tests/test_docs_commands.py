@@ -243,6 +243,10 @@ COVER: dict[str, Cover] = {
     "\"packed: JobConfig.packing = True\" --config \"padded: JobConfig.packing = False\" "
     "--repeats 2 --train_batches 6 --skip_train_batches 2 --json "
     "runs/throughput_long_tails_packing.json": Cover("check", toy="tests/test_bench_scripts.py"),
+    # docs/simulator.md
+    ".venv/bin/python scripts/real_staleness.py --gin_file configs/agentic_tails.gin --seeds 0,1,2 "
+    "--train_batches 20 --skip_train_batches 3 --json runs/real_staleness_agentic.json":
+        Cover("check", toy="tests/test_real_staleness.py (its pure parts; the runs are the job's)"),
     # docs/storage.md
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --mib 8 --reps 2 "
     "--image_reps 1 --growth_gb 4": Cover("check"),
