@@ -61,7 +61,8 @@ def segment_spans(payload: Payload, row_of: dict, seq_len: int, rows: int,
 
 
 def build_packed_batch(payload: Payload, advantages: dict, row_of: dict, seq_len: int,
-                       rows: int, prefix_tokens: int = 0, slot_of: dict | None = None) -> dict:
+                       rows: int, prefix_tokens: int = 0, slot_of: dict | None = None,
+                       spans: list[tuple[int, int, int]] | None = None) -> dict:
   """Packs each trajectory into its planned row (`row_of`: id -> row), back to back in
   the order given, each a segment: `segment_ids` numbers them from 1 in their row (0
   on padding), `positions` count from 0 in each, and what the padded batch holds per
@@ -72,7 +73,8 @@ def build_packed_batch(payload: Payload, advantages: dict, row_of: dict, seq_len
   The toy VLM (`prefix_tokens` P > 0): each segment starts with P positions for its
   image's embeddings, `embed_index` [rows, seq_len] naming the row of the mini-batch's
   E [slots * P, width] each takes (slot_of[id] * P + p; -1 on every other position),
-  as the padded VLM places the image before the text (models/vlm.py)."""
+  as the padded VLM places the image before the text (models/vlm.py). `spans`: the
+  segment_spans of these arguments, where the caller has them already."""
   shape = (rows, seq_len)
   P = prefix_tokens
   if P and slot_of is None:
@@ -86,7 +88,8 @@ def build_packed_batch(payload: Payload, advantages: dict, row_of: dict, seq_len
   if P:
     out["embed_index"] = np.full(shape, -1, np.int32)
   segments = np.zeros(rows, np.int32)
-  spans = segment_spans(payload, row_of, seq_len, rows, P)
+  if spans is None:
+    spans = segment_spans(payload, row_of, seq_len, rows, P)
   for (r, a, b), m, t, lp, mk in zip(spans, payload.metas, payload.tokens, payload.logprobs,
                                      payload.loss_mask):
     segments[r] += 1

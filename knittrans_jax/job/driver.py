@@ -49,7 +49,8 @@ class Driver:
     in collectives (a failure with several leaves no collective checkpoint)."""
     self.setup, self.cfg, self.workdir = setup, setup.cfg, workdir
     self.step_seconds: list[float] = []  # per step: launch to fetched, plus publishing
-    self.row_tokens = setup.cfg.seq_len + prefix_tokens(setup)  # a row's positions, image too
+    self.prefix_tokens = prefix_tokens(setup)  # the tiny VLM's image positions a row
+    self.row_tokens = setup.cfg.seq_len + self.prefix_tokens  # a row's positions, image too
     self.trainers, self.store, self.evaluator, self.processes = trainers, store, evaluator, processes
     # A unit's host as its writer registered it, looked up once per unit.
     self.planner = make_planner(setup, consumers, trainers,
@@ -176,7 +177,7 @@ class Driver:
                     evaluation=evaluation, eval_s=eval_s, local_fraction=work.local_fraction,
                     computed_tokens=work.computed_tokens(self.row_tokens),
                     micro_batches=work.num_micro_batches,
-                    prefix_tokens=self.row_tokens - self.cfg.seq_len, train_s=train_s)
+                    prefix_tokens=self.prefix_tokens, train_s=train_s)
       self.bar.update(1)
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:

@@ -292,8 +292,9 @@ class Trainer:
     if packed:  # the tiny VLM's image before each segment's text (encode-once only)
       rows, row_of = seg.work.local_rows(self.mine, k)
       P, row_tokens = lay.prefix_tokens, lay.seq_len + lay.prefix_tokens
+      spans = segment_spans(payload, row_of, row_tokens, rows, P)  # Qwen-VL's M-RoPE too
       batch = build_packed_batch(payload, seg.work.advantages, row_of, row_tokens, rows, P,
-                                 seg.slot_of if P else None)
+                                 seg.slot_of if P else None, spans)
     else:
       batch = build_batch(payload, seg.work.advantages, lay.seq_len, lay.rows)
     for m, mask in zip(payload.metas, payload.loss_mask):  # the normaliser was planned from these
@@ -304,7 +305,6 @@ class Trainer:
             f"{m.response_len}); units of storage formats 1-3 do not count masked tokens, so "
             "they train only with all-ones masks: write masked rollouts to a new unit")
     if lay.qwen is not None and packed:  # M-RoPE restarting per segment
-      spans = segment_spans(payload, row_of, row_tokens, rows)
       batch.update(packed_image_fields(batch["tokens"], spans,
                                        [m.image_ids for m in payload.metas], seg.pack,
                                        lay.qwen.model))
