@@ -97,8 +97,16 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
     np.testing.assert_allclose(b["grad_norm"], a["grad_norm"], rtol=1e-5)
   state = run_state(str(run), job.trainer.state)
   assert int(state.version) == int(job.trainer.state.version) == 4
-  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.trainer.state.params)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+  # Two processes sum the gradient in another order than one. Adam divides by
+  # sqrt(v) + eps, so an element whose gradient is near zero can turn that rounding
+  # into an update difference far above float epsilon. Hence: all but a few elements
+  # equal to 1e-6, and every element within 1% of one Adam step (lr = 1e-2); a
+  # process that trained on the wrong rows moves nearly every element by ~lr.
+  diffs = np.concatenate([
+      np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).ravel()
+      for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(job.trainer.state.params))])
+  assert diffs.max() <= 1e-4, diffs.max()
+  assert np.mean(diffs > 1e-6) <= 1e-3, np.mean(diffs > 1e-6)
   # Non-zero gradients: the parameters moved, so equality is not the trivial one.
   assert max(r["grad_norm"] for r in records) > 1e-2
 
