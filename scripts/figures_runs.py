@@ -218,7 +218,7 @@ def runs_section(r) -> list[str]:
                  f"{p['wall_s']:.0f} |")
   lines += ["", "![learning curves](learning_curves.png)", "",
             "One seed per run: the seed-to-seed spread of the reward was not measured, so "
-            "read the learning curves as qualitative; the learning study below has 5 seeds "
+            "read the learning curves as qualitative; the learning studies below have 10 seeds "
             "per configuration and a held-out evaluation.", ""]
   est = {n: p["dispatch_estimates_s"] for n, p in r["policies"].items()
          if p.get("dispatch_estimates_s") and any(v is not None for v in p["dispatch_estimates_s"].values())}

@@ -15,9 +15,11 @@ runs (scripts/train.py, configs/text_grpo_tiny.gin; colocated and one run per po
 real_job (scripts/real_staleness.py, configs/agentic_tails.gin and text_long_tails.gin):
   real_frontier_<workload>.png  staleness against throughput per configuration,
                            measured and the simulator's replay of the same runs
-learning (scripts/study.py, configs/study/staleness.gin; 5 seeds per configuration):
+learning (scripts/study.py, configs/study/staleness.gin; 10 seeds per configuration):
   study_learning_curves.png  held-out reward of the current policy, mean and 95% band
   study_dose_response.png    final reward against mean architectural staleness
+learning_agentic (scripts/study.py, configs/study/agentic.gin; 10 seeds per configuration):
+  study_agentic_learning_curves.png  the same on multi-turn agentic episodes
 transfer (scripts/bench_transfer.py, text and vlm):
   transfer_latency.png     exposed and raw transfer latency, baseline vs on-demand
 multimodal (scripts/bench_multimodal.py):
@@ -48,6 +50,7 @@ SECTIONS = {"staleness": figures_staleness.staleness_section,
             "runs": figures_runs.runs_section,
             "real_job": figures_real_job.real_job_section,
             "learning": figures_learning.learning_section,
+            "learning_agentic": figures_learning.learning_agentic_section,
             "transfer": figures_transfer.transfer_section,
             "multimodal": figures_multimodal.multimodal_section}
 
@@ -69,7 +72,8 @@ def write_summary(out, numbers):
     f.write("\n".join(lines))
 
 
-GROUPS = ("staleness", "runs", "real_job", "learning", "transfer", "multimodal")
+GROUPS = ("staleness", "runs", "real_job", "learning", "learning_agentic", "transfer",
+          "multimodal")
 
 
 def main():
@@ -125,6 +129,8 @@ def main():
                                                     args.quick, args.reuse_real_job),
       "learning": lambda: figures_learning.learning(args.out, os.path.abspath(args.work),
                                                     args.quick),
+      "learning_agentic": lambda: figures_learning.learning(
+          args.out, os.path.abspath(args.work), args.quick, "learning_agentic"),
       "transfer": lambda: figures_transfer.transfer(args.out, os.path.abspath(args.work),
                                                     args.quick),
       "multimodal": lambda: figures_multimodal.multimodal(args.out, os.path.abspath(args.work),

@@ -182,6 +182,9 @@ COVER: dict[str, Cover] = {
               why="`...`: more --config flags of the same form"),
     ".venv/bin/python scripts/study.py --gin_file configs/study/staleness.gin --out runs/study":
         Cover("check", toy="tests/test_study.py"),
+    ".venv/bin/python scripts/study.py --gin_file configs/study/agentic.gin "
+    "--out runs/study_agentic":
+        Cover("check", toy="tests/test_study.py (this study's grid on configs/agentic_test.gin)"),
     # docs/models.md
     ".venv/bin/python scripts/check_hf_parity.py --json runs/hf_parity.json":
         Cover("check", toy="tests/test_hf_models.py (the same parity checks)"),
