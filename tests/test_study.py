@@ -75,14 +75,14 @@ CP = "constraint_preserving+quota_aware W=1.5G"
 @pytest.mark.slow
 def test_runner_on_the_agentic_study_at_toy_size_resumes(tmp_path):
   """configs/study/agentic.gin (issue 45's pre-registered study) on the test-size
-  agentic job: its four configurations, two seeds, two train batches each."""
+  agentic job: its four configurations, two seeds, one train batch (two steps) each."""
   out = tmp_path / "study"
   gin = tmp_path / "grid.gin"
   gin.write_text(
       "include 'configs/study/agentic.gin'\n"
       "study.base_gin = 'configs/agentic_test.gin'\n"
       "study.seeds = (0, 1)\n"
-      "study.train_batches = 2\n"
+      "study.train_batches = 1\n"
       "study.threshold = 0.0\n"
       "study.common_bindings = ['EvalConfig.every_steps = 1', 'EvalConfig.prompts_per_source = 2']\n"
       "study.selection_seeds = (5, 6)\n"
@@ -96,7 +96,7 @@ def test_runner_on_the_agentic_study_at_toy_size_resumes(tmp_path):
   assert [(r["configuration"], r["seed"]) for r in res["runs"]] == [
       (c, s) for c in names for s in (0, 1)]
   for r in res["runs"]:
-    assert r["steps"] == 4 and [c[0] for c in r["curve"]] == [1, 2, 3, 4]
+    assert r["steps"] == 2 and [c[0] for c in r["curve"]] == [1, 2]
     assert r["final_reward"] == r["curve"][-1][2] and r["steps_to_threshold"] == 1
     assert 0 < r["traj_per_s"] and r["eval_s"] > 0
   s = res["summary"][CP]
@@ -104,7 +104,7 @@ def test_runner_on_the_agentic_study_at_toy_size_resumes(tmp_path):
   assert s["final_reward_ci95"][0] <= s["final_reward_mean"] <= s["final_reward_ci95"][1]
   assert "gap_closed" in s and "gap_closed" not in res["summary"]["train_batch W=2G"]
   assert res["summary"]["synchronous"]["arch_staleness_mean_mean"] == 0
-  # Two train batches of toy runs may all see the same staleness: then there is no
+  # One train batch of toy runs may all see the same staleness: then there is no
   # dose-response to fit and the study says so instead of drawing one.
   levels = {r["arch_staleness_mean"] for r in res["runs"] if r["configuration"] != names[0]}
   if len(levels) < 2:
