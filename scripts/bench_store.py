@@ -2,6 +2,7 @@
 then the image path in both image layouts, side by side.
 
   python scripts/bench_store.py --json runs/bench_store.json [--mib 64] [--dir DIR] [--s3]
+  python scripts/bench_store.py --json runs/bench_store_steady.json --steady_state
 
 Everything is measured in this one run on the same bytes:
   write_MBps            appends of 16 trajectories (~2k tokens each) to one unit
@@ -49,6 +50,27 @@ long-lived unit on --growth_dir (/dev/shm by default) until its image data reach
 it: the file system's own rate at that moment (plain_write_MBps), so a slowdown of
 the machine (fresh tmpfs pages are costly to fault in on some VMs) is told apart
 from one of the store (append_vs_plain per step).
+
+steady_state (with --steady_state, which runs this alone): appends of 16
+trajectories (~2k tokens each) to one unit (StoreSchema defaults, on --steady_dir,
+/dev/shm by default) that keeps a live window of --steady_live_mib MiB, cycled
+through --steady_cycles times that size: after each append every chunk file of
+the unit wholly below the window is reclaimed (storage/retention.py: the watermark
+raised to the window's first row, TrajectoryStore.retain_from, then
+UnitWriter.reclaim, as a job does): `sequences` and `images/data` files go to their
+arrays' free pools, where the writer takes the files for its new chunks. np.save of the
+same appends' payload arrays (one .npy file each, into a directory beside the
+store, the files of appends that left the window deleted) and a numpy copy of the
+same bytes into preallocated arrays alternate with the appends in blocks.
+  append_MBps, npsave_MBps, memcpy_MBps   the appends, the np.saves, the copies
+                        (reclamation and deletion are timed apart, not in these:
+                        reclaim_ms_per_append, npsave_delete_ms_per_append)
+  append_vs_npsave, append_vs_memcpy      append_MBps over the other two
+  footprint_bytes       bytes the store's files hold on disk (st_blocks), sampled
+                        after each cycle; npsave_footprint_bytes the same for the
+                        np.save directory
+  footprint_flat        max / min of footprint_bytes after the first cycle
+  chunk_files_released  chunk files reclaimed (the large ones into the free pools)
 
 s3 (with --s3): the same append and reads with the store on s3://, against a local
 moto S3 server started on loopback for the run (knittrans_jax/testing/s3_server.py),
@@ -328,6 +350,101 @@ def bench_append_growth(root: str, total_gb: float, step_gb: float, groups: int,
   return steps
 
 
+def _disk_bytes(path: str) -> int:
+  """Bytes the files under `path` hold on disk (allocated blocks, not their sizes)."""
+  return sum(os.stat(os.path.join(d, f)).st_blocks * 512
+             for d, _, files in os.walk(path) for f in files)
+
+
+def bench_steady_state(root: str, live_mib: float, cycles: int, seed: int = 0,
+                       token_chunk: int | None = None) -> dict:
+  """Appends to one unit in steady state (a live window, the rest reclaimed), beside
+  np.save and a numpy copy of the same bytes. `token_chunk`: None for the default."""
+  url = "file://" + os.path.join(root, "store")
+  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), token_chunk=token_chunk))
+  schema = store.schema  # token_chunk as chosen for this store
+  writer = store.writer("steady", reclaim_every_s=float("inf"))  # reclaimed below, timed apart
+  npy_dir = os.path.join(root, "npsave")
+  os.makedirs(npy_dir)
+  rng = np.random.default_rng(seed)
+  batches, arrays, live = [], [], 0
+  while live < live_mib * MiB:  # one window's appends, cycled
+    b = _batch(rng, len(batches) * 2)
+    arrs = [np.concatenate([np.concatenate([t.prompt_tokens, t.response_tokens]) for t in b]),
+            np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.float32),
+                                            t.logprobs]) for t in b]),
+            np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.uint8),
+                                            t.loss_mask.astype(np.uint8)]) for t in b])]
+    batches.append(b)
+    arrays.append(arrs)
+    live += sum(a.nbytes for a in arrs)
+  window, total = len(batches), len(batches) * cycles
+  dst = [np.empty(max(a[i].size for a in arrays), arrays[0][i].dtype) for i in range(3)]
+  block = max(1, window // 4)  # appends, np.save and copies alternate in blocks
+  commits = []
+  nbytes = write_s = npsave_s = copy_s = reclaim_s = delete_s = 0.0
+  released, footprint, npsave_footprint = 0, [], []
+  bar = tqdm(total=total, desc="steady state", leave=False)
+  for lo in range(0, total, block):
+    hi = min(lo + block, total)
+    for k in range(lo, hi):
+      t0 = time.perf_counter()
+      writer.append(batches[k % window])
+      t1 = time.perf_counter()
+      commits.append(writer.commit)
+      if k >= window:  # appends before k - window + 1 have left the window: retention
+        store.retain_from("steady", commits[k - window].rows)
+        released += writer.reclaim()
+      write_s += t1 - t0
+      reclaim_s += time.perf_counter() - t1
+      nbytes += sum(a.nbytes for a in arrays[k % window])
+    t0 = time.perf_counter()
+    for k in range(lo, hi):
+      for name, a in zip(("tokens", "logprobs", "loss_mask"), arrays[k % window]):
+        np.save(os.path.join(npy_dir, f"{k}_{name}.npy"), a)
+    npsave_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k in range(lo, hi):
+      if k >= window:
+        for name in ("tokens", "logprobs", "loss_mask"):
+          os.unlink(os.path.join(npy_dir, f"{k - window}_{name}.npy"))
+    delete_s += time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for k in range(lo, hi):
+      for d, a in zip(dst, arrays[k % window]):
+        np.copyto(d[:a.size], a)
+    copy_s += time.perf_counter() - t0
+    for k in range(lo, hi):
+      if (k + 1) % window == 0:  # a cycle done
+        footprint.append(_disk_bytes(os.path.join(root, "store")))
+        npsave_footprint.append(_disk_bytes(npy_dir))
+    bar.update(hi - lo)
+  bar.close()
+  # What the window holds reads back as appended (a benchmark that lost rows fails here).
+  reader = TrajectoryStore.open(url)
+  metas = reader.list_committed("steady", live=True)[-16 * (window // 2):]
+  got = reader.read(metas).result()
+  first = total - window // 2
+  want = [np.concatenate([arrays[k % window][0] for k in range(first, total)])]
+  read_matches_written = bool(np.array_equal(np.concatenate(got.tokens), want[0]))
+  after = footprint[1:] or footprint
+  mb = nbytes / MiB
+  result = {
+      "dir": root, "live_MiB": live / MiB, "appends_per_cycle": window, "cycles": cycles,
+      "appended_MiB": mb, "token_chunk": schema.token_chunk,
+      "append_MBps": mb / write_s, "npsave_MBps": mb / npsave_s, "memcpy_MBps": mb / copy_s,
+      "reclaim_ms_per_append": 1e3 * reclaim_s / total,
+      "npsave_delete_ms_per_append": 1e3 * delete_s / total,
+      "chunk_files_released": released,
+      "footprint_bytes": footprint, "npsave_footprint_bytes": npsave_footprint,
+      "footprint_flat": max(after) / min(after),
+      "read_matches_written": read_matches_written,
+  }
+  result["append_vs_npsave"] = result["append_MBps"] / result["npsave_MBps"]
+  result["append_vs_memcpy"] = result["append_MBps"] / result["memcpy_MBps"]
+  return result
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--json", required=True, help="where to write the results")
@@ -348,6 +465,15 @@ def main():
   parser.add_argument("--growth_step_gb", type=float, default=0.5)
   parser.add_argument("--growth_dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
                       help="where the growing unit goes (default /dev/shm)")
+  parser.add_argument("--steady_state", action="store_true",
+                      help="run only the steady-state appends (a live window, the rest "
+                           "reclaimed into free pools) and write their figures")
+  parser.add_argument("--steady_live_mib", type=int, default=64,
+                      help="the live window of the steady-state unit")
+  parser.add_argument("--steady_cycles", type=int, default=10,
+                      help="appends cycle through this many times the live window")
+  parser.add_argument("--steady_dir", default="/dev/shm" if os.path.isdir("/dev/shm") else None,
+                      help="where the steady-state unit goes (default /dev/shm)")
   parser.add_argument("--s3", action="store_true",
                       help="also run the append and reads on s3:// (a local moto server)")
   cli.add_check_flag(parser)
@@ -356,6 +482,9 @@ def main():
   if cli.check_only(args):
     return
 
+  if args.steady_state:
+    _main_steady_state(args)
+    return
   base = args.dir or tempfile.mkdtemp(prefix="bench_store_")
   results = {}
   try:
@@ -444,6 +573,33 @@ def main():
     a, b = images["dedup"][key], images["no_dedup"][key]
     scale = 1e-6 if key == "image_bytes_on_disk" else 1
     print(f"  {label:<28}{a * scale:>12{fmt}}{b * scale:>12{fmt}}{b / a:>8.2f}")
+  print(f"wrote {args.json}")
+
+
+def _main_steady_state(args) -> None:
+  root = tempfile.mkdtemp(prefix="bench_store_steady_", dir=args.steady_dir)
+  try:
+    steady = bench_steady_state(root, args.steady_live_mib, args.steady_cycles)
+  finally:
+    shutil.rmtree(root, ignore_errors=True)
+  out = {"cpu_count": os.cpu_count(), "steady_state": steady}
+  os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+  with open(args.json, "w") as f:
+    json.dump(out, f, indent=1)
+  s = steady
+  print(f"\nsteady state: one unit on {args.steady_dir}, {s['live_MiB']:.0f} MiB live "
+        f"({s['appends_per_cycle']} appends), {s['cycles']} cycles, {s['appended_MiB']:.0f} "
+        f"MiB appended ({out['cpu_count']} cores)")
+  print(f"  append {s['append_MBps']:.0f} MB/s, np.save {s['npsave_MBps']:.0f} MB/s, numpy copy "
+        f"{s['memcpy_MBps']:.0f} MB/s: append / np.save {s['append_vs_npsave']:.2f}, "
+        f"append / copy {s['append_vs_memcpy']:.3f}")
+  print(f"  reclaim {s['reclaim_ms_per_append']:.3f} ms per append "
+        f"({s['chunk_files_released']} chunk files), np.save deletes "
+        f"{s['npsave_delete_ms_per_append']:.3f} ms")
+  print(f"  footprint after each cycle (MB): "
+        + " ".join(f"{b / 1e6:.1f}" for b in s["footprint_bytes"])
+        + f"; flat {s['footprint_flat']:.3f} (max / min after the first)")
+  print(f"  read of the last half window matches what was written: {s['read_matches_written']}")
   print(f"wrote {args.json}")
 
 

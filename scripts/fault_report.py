@@ -31,19 +31,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from knittrans_jax import cli  # noqa: E402
 from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, disk_full,  # noqa: E402
-                                  s3_outage, trainer_kill, writer_kill)
+                                  reclaim_kill, s3_outage, trainer_kill, writer_kill)
 from knittrans_jax.storage import layout as L  # noqa: E402
 from knittrans_jax.testing.s3_server import start_s3_server  # noqa: E402
 
 FULL = {"writer_kill": dict(trials=20), "trainer_kill": dict(trials=5),
         "corrupt_chunk": dict(trials=6), "disk_full": dict(trials=3),
-        "s3_outage": dict(trials=3), "concurrent_writers": dict(writers=8, seconds=60.0)}
+        "s3_outage": dict(trials=3), "concurrent_writers": dict(writers=8, seconds=60.0),
+        "reclaim_kill": dict(trials=20)}
 QUICK = {"writer_kill": dict(trials=20), "trainer_kill": dict(trials=1),
          "corrupt_chunk": dict(trials=3), "disk_full": dict(trials=1),
-         "s3_outage": dict(trials=1), "concurrent_writers": dict(writers=8, seconds=10.0)}
+         "s3_outage": dict(trials=1), "concurrent_writers": dict(writers=8, seconds=10.0),
+         "reclaim_kill": dict(trials=5)}
 RUNNERS = {"writer_kill": writer_kill.run, "trainer_kill": trainer_kill.run,
            "corrupt_chunk": corrupt_chunk.run, "disk_full": disk_full.run,
-           "s3_outage": s3_outage.run, "concurrent_writers": concurrent_writers.run}
+           "s3_outage": s3_outage.run, "concurrent_writers": concurrent_writers.run,
+           "reclaim_kill": reclaim_kill.run}
 ONLY_ON = {"disk_full": "file", "s3_outage": "s3"}  # scenarios that have one backend
 REPORT_BUCKET = "fault-report"
 

@@ -29,7 +29,7 @@ FULL = {"agentic": dict(train_batches=20, skip=3), "long_tails": dict(train_batc
         "long_tails_frozen": dict(train_batches=6, skip=2)}
 # --quick: one seed, a few train batches, three windows: the path runs, the figures
 # are not the result.
-QUICK = dict(seeds="0", train_batches=3, skip=1, windows="1,4,16", dispatch="shuffled")
+QUICK = dict(seeds="0", train_batches=2, skip=1, windows="1,4", dispatch="shuffled")
 STYLE = {("train_batch", "shuffled"): ("tab:red", "train_batch"),
          ("constraint_preserving", "shuffled"): ("tab:blue", "constraint_preserving"),
          ("constraint_preserving", "quota_aware"): ("tab:green",

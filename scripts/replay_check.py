@@ -7,7 +7,9 @@ this is the single-process reference on the same trajectories: the run's store, 
 logged mini-batches in order, the same plan. Prints per-step loss and gradient norm side by side and the
 largest parameter difference against the run's last checkpoint. Exits non-zero if
 they differ beyond --rtol / --atol. Needs as many devices as the run's mesh
-(XLA_FLAGS=--xla_force_host_platform_device_count=8 on the CPU).
+(XLA_FLAGS=--xla_force_host_platform_device_count=8 on the CPU). The run must have kept
+its trained rows: run it with --gin_bindings "StoreSchema.retention = 'all'" (by default
+a job reclaims them once a checkpoint covers them: docs/storage.md, "Retention").
 """
 from __future__ import annotations
 

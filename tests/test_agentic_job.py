@@ -13,7 +13,7 @@ from knittrans_jax.rollout import tasks
 from knittrans_jax.sim import simulate
 from knittrans_jax.sim.trace import Trace, steady_state
 from knittrans_jax.storage import TrajectoryStore
-from test_job import finish, start
+from test_job import KEEP_ROWS, finish, start
 
 pytestmark = pytest.mark.slow
 
@@ -22,7 +22,7 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   work = tmp_path / "run"
   out = finish(start(work, "JobConfig.train_batches = 15", "AgenticTaskConfig.fault_rate = 0.03",
                      "AgentConfig.step_timeout_s = 1.0", "AgenticTaskConfig.hang_s = 2.0",
-                     "OptimizerConfig.learning_rate = 5e-2",
+                     "OptimizerConfig.learning_rate = 5e-2", KEEP_ROWS,
                      gin_file="configs/agentic_test.gin"))
   summary = json.load(open(os.path.join(work, "summary.json")))
   recs = read_metrics(str(work))

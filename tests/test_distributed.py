@@ -46,7 +46,9 @@ def two_process_run(local_ray, tmp_path_factory):
                     "RayConfig.trainers = 2", "RayConfig.devices_per_trainer = 4",
                     "RayConfig.trainer_strategy = 'PACK'",
                     # Held-out evaluation in the driver, on the weights the actors publish.
-                    "EvalConfig.every_steps = 2", "EvalConfig.prompts_per_source = 2"]))
+                    "EvalConfig.every_steps = 2", "EvalConfig.prompts_per_source = 2",
+                    # Replayed after the run (job/replay.py): every row kept.
+                    "StoreSchema.retention = 'all'"]))
   killed = []
 
   def kill_trainer1():  # once step 3 is recorded: steps 1-2 are in the step-2 checkpoint

@@ -16,6 +16,11 @@ from knittrans_jax.storage import TrajectoryStore
 pytestmark = pytest.mark.slow
 
 
+# For tests that read a run's trained rows after it ends: without this their
+# retention (StoreSchema.retention = 'trained', the default) reclaims them.
+KEEP_ROWS = "StoreSchema.retention = 'all'"
+
+
 def start(workdir, *bindings, resume=False, gin_file="configs/text_grpo_test.gin"):
   cmd = [sys.executable, "scripts/train.py", "--gin_file", gin_file, "--workdir", str(workdir)]
   for b in bindings:
@@ -56,9 +61,16 @@ def check_trained(workdir, expected_steps):
   assert summary["steps"] == expected_steps == len(recs)
   assert len(ids) == len(set(ids)), "a trajectory was trained twice"
   assert summary["trajectories"] == len(ids) == expected_steps * 16
-  committed = {m.id for m in TrajectoryStore.open(
-      "file://" + os.path.join(os.path.abspath(workdir), "store")).list_committed()}
-  assert set(ids) <= committed, "trained something that was never committed"
+  store = TrajectoryStore.open("file://" + os.path.join(os.path.abspath(workdir), "store"))
+  assert set(ids) <= store.committed_ids(), "trained something that was never committed"
+  if store.schema.retention == "trained":  # reclaimed to the last checkpoint's watermarks
+    # Held: each unit from its oldest group still in flight, so the window plus the
+    # retired groups committed after that one (within a train batch of 16 here).
+    held = summary["store"]
+    assert 0 <= held["rows_held"] <= held["window_rows"] + 16 < held["rows_committed"], held
+    assert held["rows_held_max"] <= held["window_rows"] + 16 + 2 * 16, held  # + a checkpoint
+    now = store.footprint()  # as the summary says; the files reclaimed at the end too
+    assert {k: held[k] for k in now} == now
   assert summary["quota_violations"] == 0 and summary["tokens_skipped"] == 0
   for key in ("reward_first", "reward_last", "arch_staleness_mean", "arch_staleness_p99",
               "wall_s", "exposed_data_wait_s"):
@@ -104,7 +116,8 @@ def test_quota_aware_dispatch_and_held_out_evaluation(tmp_path):
 def test_end_to_end(tmp_path, mode, policy, data_path):
   work = tmp_path / "run"
   finish(start(work, f"JobConfig.mode = '{mode}'", f"JobConfig.policy = '{policy}'",
-               f"JobConfig.data_path = '{data_path}'"))
+               f"JobConfig.data_path = '{data_path}'",
+               *([KEEP_ROWS] if mode == "synchronous" else [])))
   summary, recs = check_trained(work, 6)
   assert summary["mode"] == mode and summary["policy"] == policy
   # The trainer reads through the on-demand PrefetchingReader: its timings are reported.
@@ -143,7 +156,7 @@ def test_worker_killed_mid_run(tmp_path):
   # The killed worker's unit is intact and readable.
   store = TrajectoryStore.open("file://" + str(work / "store"))
   for unit in store.units():
-    metas = store.list_committed(unit)
+    metas = store.list_committed(unit, live=True)
     store.read(metas).result()
 
 

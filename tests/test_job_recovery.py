@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from test_job import check_trained, finish, start, wait_for_steps
+from test_job import KEEP_ROWS, check_trained, finish, start, wait_for_steps
 
 from knittrans_jax import gin_cli
 from knittrans_jax.job.metrics import read_metrics
@@ -33,7 +33,7 @@ def test_resume_after_zero_signal_and_stale_drops_finishes(tmp_path):
   # so nothing was dispatched and the resumed run spun forever.
   work = tmp_path / "run"
   drops = ["TrainBatchSpec.drop_zero_signal = True", "TrainBatchSpec.max_staleness = 0",
-           "JobConfig.window = 8", "JobConfig.train_batches = 4"]
+           "JobConfig.window = 8", "JobConfig.train_batches = 4", KEEP_ROWS]
   proc = start(work, *drops)
   wait_for_steps(work, 3, proc)
   proc.send_signal(signal.SIGINT)
@@ -52,7 +52,7 @@ def test_colocated_replaces_dropped_groups(tmp_path):
   # Before the fix: a dropped group was never replaced, admission waited forever.
   work = tmp_path / "run"
   finish(start(work, "JobConfig.mode = 'colocated'", "TrainBatchSpec.drop_zero_signal = True",
-               "JobConfig.train_batches = 2"), timeout=300)
+               "JobConfig.train_batches = 2", KEEP_ROWS), timeout=300)
   summary, recs = check_trained(work, 4)
   assert summary["groups"]["zero_signal"] > 0 and summary["arch_staleness_mean"] == 0
   assert all(len({m.reward for m in metas}) > 1 for metas in trained_groups(work))

@@ -8,7 +8,7 @@ import pytest
 
 from knittrans_jax.rollout import tasks
 from knittrans_jax.storage import TrajectoryStore
-from test_job import check_trained, finish, start
+from test_job import KEEP_ROWS, check_trained, finish, start
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 def test_tool_output_is_stored_masked_and_the_job_trains_on_the_rest(tmp_path):
   work = tmp_path / "run"
   finish(start(work, "TrainBatchSpec.source_quota = {'lookup': 4, 'nearest': 2, 'count': 2}",
-               "DecoderConfig.scan_layers = True", "SamplerConfig.temperature = 1.0"))
+               "DecoderConfig.scan_layers = True", "SamplerConfig.temperature = 1.0",
+               KEEP_ROWS))
   # Every admitted loss token was trained (tokens_skipped 0): the normaliser the
   # controller planned from the rows' loss-token counts is the masks' own sum.
   summary, recs = check_trained(work, 6)

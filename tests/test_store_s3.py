@@ -14,8 +14,8 @@ import pytest
 from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax import gin_cli
-from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, s3_outage, trainer_kill,
-                                  writer_kill)
+from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, reclaim_kill, s3_outage,
+                                  trainer_kill, writer_kill)
 from knittrans_jax.storage import Image, StoreError, StoreSchema, TrajectoryStore, unit_writer
 from knittrans_jax.storage import layout as L
 from knittrans_jax.testing.s3_server import start_s3_server
@@ -130,6 +130,14 @@ def test_concurrent_writers_on_s3(s3_url, tmp_path):
   out = concurrent_writers.run(str(tmp_path), writers=3, seconds=2.0, store_url=s3_url)
   _clean(out)
   assert out.trained == out.written and not out.errors, out.errors
+
+
+def test_writer_killed_while_reclaiming_on_s3(s3_url, tmp_path):
+  """Reclamation deletes the chunk objects below the floors (no free pool on s3)."""
+  out = reclaim_kill.run(str(tmp_path), trials=2, store_url=s3_url)
+  _clean(out)
+  assert out.trained == out.written
+  assert not any("left behind" in e or "was read" in e for e in out.errors), out.errors
 
 
 @pytest.mark.slow

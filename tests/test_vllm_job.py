@@ -19,7 +19,7 @@ import time
 import numpy as np
 import psutil
 import pytest
-from test_job import finish, start
+from test_job import KEEP_ROWS, finish, start
 
 from knittrans_jax.job.metrics import read_metrics
 
@@ -40,7 +40,7 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
   work = tmp_path / "run"
   proc = start(work, "JobConfig.mode = 'synchronous'", "JobConfig.train_batches = 10",
                "JobConfig.workers = 1", "EvalConfig.every_steps = 0",
-               "ToolLatency.median_s = 0.01", gin_file="configs/agentic_vllm.gin")
+               "ToolLatency.median_s = 0.01", KEEP_ROWS, gin_file="configs/agentic_vllm.gin")
   deadline = time.time() + 120
   while not (work / "weights" / "LATEST").exists():  # the first weights: dispatch follows
     assert proc.poll() is None and time.time() < deadline, proc.stdout.read()[-3000:]

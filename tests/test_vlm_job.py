@@ -5,7 +5,7 @@ file's tests on one worker: two share the vlm_run job.)"""
 import os
 
 import pytest
-from test_job import check_trained, finish, start
+from test_job import KEEP_ROWS, check_trained, finish, start
 
 from knittrans_jax.storage import TrajectoryStore
 
@@ -31,7 +31,7 @@ def vlm_run(tmp_path_factory):
   segment its own image prefix)."""
   work = tmp_path_factory.mktemp("vlm") / "run"
   finish(start(work, "JobConfig.mode = 'disaggregated'", "JobConfig.data_path = 'ondemand'",
-               "JobConfig.encode_once = True", "JobConfig.packing = True",
+               "JobConfig.encode_once = True", "JobConfig.packing = True", KEEP_ROWS,
                gin_file="configs/vlm_grpo_test.gin"))
   return work
 
@@ -51,7 +51,7 @@ def test_vlm_end_to_end_encode_once(vlm_run):
 def test_vlm_colocated_naive_step_centralized(tmp_path):
   work = tmp_path / "run"
   finish(start(work, "JobConfig.mode = 'colocated'", "JobConfig.data_path = 'centralized'",
-               "JobConfig.encode_once = False", gin_file="configs/vlm_grpo_test.gin"))
+               "JobConfig.encode_once = False", KEEP_ROWS, gin_file="configs/vlm_grpo_test.gin"))
   check_vlm_run(work, "colocated")
 
 

@@ -48,7 +48,8 @@ def run(checkpoint, tmp_path_factory):
   work = tmp_path_factory.mktemp("vlm_qwen") / "run"
   out = subprocess.run(
       [sys.executable, "scripts/train.py", "--gin_file", "configs/vlm_qwen_tiny.gin",
-       "--workdir", str(work), "--gin_bindings", f"JobConfig.checkpoint = '{checkpoint}'"],
+       "--workdir", str(work), "--gin_bindings", f"JobConfig.checkpoint = '{checkpoint}'",
+       "--gin_bindings", "StoreSchema.retention = 'all'"],  # its rows are read after the run
       cwd=REPO, capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
   return work

@@ -82,19 +82,19 @@ class TrainerActor:
     self.results.append(self.trainer.step(self.trainer.pending(key)))
 
   def fetch(self, write_weights: bool):
-    """The step's metrics and whether a checkpoint is due at its version; with
-    `write_weights`, this trainer's shards of that version are written first (the
-    driver publishes every step: one round trip for all three)."""
+    """The step's metrics, whether a checkpoint is due at its version and the latest
+    checkpoint wholly written; with `write_weights`, this trainer's shards of that
+    version are written first (the driver publishes every step: one round trip)."""
     sums, grad_norm = self.results.pop(0).fetch()
     if write_weights:
       self.trainer.write_weights()
-    return sums, grad_norm, self.trainer.save_due()
+    return sums, grad_norm, self.trainer.save_due(), self.trainer.durable_step()
 
   def write_weights(self) -> None:
     self.trainer.write_weights()
 
-  def save(self, progress: dict, force: bool) -> None:
-    self.trainer.save(progress, force)
+  def save(self, progress: dict, force: bool) -> bool:
+    return self.trainer.save(progress, force)
 
   def finish(self) -> dict:
     t = self.trainer
@@ -111,7 +111,8 @@ class _StepResult:
 
   def fetch(self):
     g = self.group
-    sums, grad_norm, g.due = g._get([a.fetch.remote(True) for a in g.actors], "a step")[0]
+    sums, grad_norm, g.due, g.durable = g._get([a.fetch.remote(True) for a in g.actors],
+                                               "a step")[0]
     g.written = g.version  # every actor wrote its shards of this version
     return sums, grad_norm
 
@@ -131,6 +132,7 @@ class RayTrainerGroup:
     self.ray, self.cfg, self.log = ray, cfg, log
     self.stats = dict(exposed_wait_s=0.0, raw_transfer_s=0.0)
     self.due = False  # a checkpoint is due at the last fetched step's version
+    self.durable = None  # the latest checkpoint wholly written, as of the last fetch
     self.written = None  # the version whose shards every actor has written
     self.committed = None  # the version last made the latest
     self.publisher = WeightPublisher(workdir)  # the driver commits what the actors wrote
@@ -232,9 +234,12 @@ class RayTrainerGroup:
   def save_due(self) -> bool:
     return self.due
 
-  def save(self, progress: dict, force: bool = False) -> None:
-    self._get([a.save.remote(progress if r == 0 else {}, force)
-               for r, a in enumerate(self.actors)], "a checkpoint")
+  def save(self, progress: dict, force: bool = False) -> bool:
+    return self._get([a.save.remote(progress if r == 0 else {}, force)
+                      for r, a in enumerate(self.actors)], "a checkpoint")[0]
+
+  def durable_step(self) -> int | None:
+    return self.durable
 
   @property
   def exposed_wait_s(self) -> float:

@@ -117,7 +117,7 @@ class PollingReader:
     ids = [m.id for m in self.seen]
     out.lost += len(self.bad)
     out.duplicated += len(ids) - len(set(ids))
-    if set(ids) != {m.id for m in self.store.list_committed()}:
+    if set(ids) != self.store.committed_ids():
       out.errors.append("the polling reader's view differs from the final listing")
 
 
@@ -136,11 +136,14 @@ def append_until_failure(writer, seed: int, n: int, limit: int = 100_000):
 
 
 def start_writer(url: str, unit: str, seed: int, first: int, count: int, n: int,
-                 seconds: float | None = None, env: dict | None = None) -> DrainedProcess:
+                 seconds: float | None = None, env: dict | None = None,
+                 reclaim_every_s: float | None = None) -> DrainedProcess:
   cmd = [sys.executable, "-m", "knittrans_jax.faults.writer_proc", url, unit, str(seed),
          str(first), str(count), str(n)]
   if seconds is not None:
     cmd.append(str(seconds))
+  if reclaim_every_s is not None:
+    cmd += ["--reclaim_every_s", str(reclaim_every_s)]
   return DrainedProcess(cmd, env={**os.environ, **(env or {})})
 
 

@@ -71,7 +71,10 @@ def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
       continue
     recs = read_metrics(work, partial=True)
     ids = [i for r in recs for i in r["ids"]]
-    committed = {m.id for m in TrajectoryStore.open(url).list_committed()}
+    # Reclaimed rows (below each unit's watermark) count: they were committed.
+    store = TrajectoryStore.open(url)
+    committed = store.committed_ids()
+    reclaimed = sum(store.reader(u).watermark() for u in store.units())
     out.trials += 1
     out.written += len(committed)
     out.trained += len(set(ids))
@@ -81,5 +84,6 @@ def run(root: str, trials: int = 5, seed: int = 13, train_batches: int = 4,
     out.lost += len(set(ids) - committed)  # trained but never committed: counted as lost
     if len(recs) != target:
       out.errors.append(f"trial {t}: {len(recs)} steps after resume, expected {target}")
-    out.errors.append(f"trial {t}: killed after {kill_at}+ steps, checkpoint at {ckpt}")
+    out.errors.append(f"trial {t}: killed after {kill_at}+ steps, checkpoint at {ckpt}; "
+                      f"{reclaimed} of {len(committed)} rows reclaimed after the resumed run")
   return out

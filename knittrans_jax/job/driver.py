@@ -35,9 +35,10 @@ from knittrans_jax.job.controller import Controller, JobStalled
 from knittrans_jax.job.evaluation import Evaluator
 from knittrans_jax.job.metrics import MetricsLog
 from knittrans_jax.job.progress import ControllerState
+from knittrans_jax.job.reclaim import WatermarkPublisher
 from knittrans_jax.job.roles import RolloutPool, TrainerHandle, TrainerLost
 from knittrans_jax.job.setup import JobSetup, make_admission, make_planner, prefix_tokens
-from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.storage import TrajectoryStore, UnitWriter
 
 
 class Driver:
@@ -60,6 +61,9 @@ class Driver:
     self.policy, self.dispatch = make_admission(setup)
     self.log = MetricsLog(workdir, self.cfg.spec, resume=resume, upto_step=trainers.version)
     self.stop_requested = False
+    # Retention: each checkpoint's watermarks go to the store once it is written.
+    self.reclaim = WatermarkPublisher(store.retain_from)
+    self.held_max = 0  # the most rows the store held right after a publish
     # As t5x does: the operative config right after set-up, so a crashed run has it.
     gin_cli.save_operative_config(workdir)
 
@@ -103,9 +107,11 @@ class Driver:
         if not lost and (completed or stalled or self.processes == 1):
           try:
             if controller is not None:
-              trainers.save(controller.progress(), force=True)
+              self._save(controller, force=True)
           finally:
             trainers.finish()
+          self.reclaim.all_durable()  # finish() waited for every checkpoint
+          self._reclaim_units()
         else:
           # A failure may have come mid-step, with the others inside a collective: no
           # collective checkpoint now (the last periodic one stands); tell them to stop.
@@ -119,6 +125,11 @@ class Driver:
                                worker_restarts=pool.restarts, dispatch=cfg.dispatch,
                                dispatch_estimates_s={src: self.dispatch.estimate(src)
                                                      for src in self.setup.trained_sources})
+    # Retention: what the store holds at the end against the window's worth of rows.
+    held = self.store.footprint()
+    summary["store"] = {**held, "rows_held_max": max(self.held_max, held["rows_held"]),
+                        "retention": self.store.schema.retention,
+                        "window_rows": cfg.groups_in_flight * cfg.spec.group_size}
     if self.evaluator is not None:
       summary["eval_train_overlap"] = self.evaluator.train_overlap(range(self.state.next_group))
     write_summary(self.workdir, summary)
@@ -188,7 +199,28 @@ class Driver:
         train_s += time.perf_counter() - t_pub
       self.step_seconds.append(train_s)  # the trainer's time for this step, publish included
       if trainers.save_due():
-        trainers.save(ctl.progress())
+        self._save(ctl)
+      if self.reclaim.durable(trainers.durable_step()):
+        self.held_max = max(self.held_max, self.store.footprint(files=False)["rows_held"])
+
+  def _reclaim_units(self) -> None:
+    """The rollout workers are gone: reclaim up to the last watermarks in their place
+    (a unit's writer reclaims between appends, and they made their last)."""
+    if self.store.schema.retention == "all" or not self.reclaim.published:
+      return
+    for unit in sorted(self.reclaim.published):
+      try:
+        # Not store.writer: that would register the unit under this host.
+        UnitWriter(self.store.url, unit, self.store.schema, host=self.store.unit_host(unit),
+                   registered=True).reclaim()
+      except Exception as e:  # noqa: BLE001  (the run's results stand; say what is left)
+        print(f"retention: unit {unit!r} not reclaimed at the end ({e}); its writer "
+              "reclaims it when the run is resumed")
+
+  def _save(self, ctl: Controller, force: bool = False) -> None:
+    progress = ctl.progress()
+    if self.trainers.save(progress, force=force):
+      self.reclaim.saved(self.trainers.version, progress["watermarks"])
 
 
 def write_trace(workdir: str, setup: JobSetup, group_times: list[dict],

@@ -37,8 +37,11 @@ class LocalTrainer:
   def save_due(self) -> bool:
     return self.trainer.save_due()
 
-  def save(self, progress: dict, force: bool = False) -> None:
-    self.trainer.save(progress, force)
+  def save(self, progress: dict, force: bool = False) -> bool:
+    return self.trainer.save(progress, force)
+
+  def durable_step(self) -> int | None:
+    return self.trainer.durable_step()
 
   @property
   def exposed_wait_s(self) -> float:

@@ -78,6 +78,11 @@ def replay(run_dir: str, workdir: str, consumers: int) -> Replay:
   setup = job_setup(cfg)
   # The run's store: its JobConfig.store_url (s3://...), else the one in its work dir.
   store = TrajectoryStore.open(cfg.store_url or "file://" + os.path.join(run_dir, "store"))
+  if store.schema.retention != "all":
+    raise ValueError(f"store {store.url} was written with StoreSchema.retention = "
+                     f"{store.schema.retention!r}: its trained rows are reclaimed, so the run "
+                     "cannot be replayed; run it with StoreSchema.retention = 'all' (a gin "
+                     "binding) to replay it")
   check_new_run(workdir, dataclasses.replace(cfg, store_url=None), resume=False)
   host = socket.gethostname()
   built = make_trainer(setup, workdir, store, Placement(0, 1, consumers, host), resume=False)

@@ -68,7 +68,8 @@ class TrainerHandle(Protocol):
   def publish(self) -> None: ...  # the current version, to the rollout engines
   def eval_params(self) -> Any: ...  # the current version's params, for held-out evaluation
   def save_due(self) -> bool: ...
-  def save(self, progress: dict, force: bool = False) -> None: ...
+  def save(self, progress: dict, force: bool = False) -> bool: ...  # whether it saved
+  def durable_step(self) -> int | None: ...  # the latest checkpoint wholly written
   @property
   def exposed_wait_s(self) -> float: ...
   @property

@@ -355,6 +355,10 @@ class Trainer:
     """Orbax writes from every process; the progress JSON is process 0's."""
     return self.checkpointer.save(self.state, progress, force=force, step=self.version)
 
+  def durable_step(self) -> int | None:
+    """The latest version whose checkpoint is wholly written (retention's cue)."""
+    return self.checkpointer.durable_step()
+
   @property
   def exposed_wait_s(self) -> float:
     return self.stream.stats.exposed_wait_s

@@ -34,7 +34,7 @@ def release(store: TrajectoryStore, held: dict, w: int, n: int, why: str) -> lis
   mine = [gid for gid, (ww, _) in held.items() if ww == w]
   committed = collections.defaultdict(list)
   if mine and f"worker{w}" in store.units():
-    for m in store.list_committed(f"worker{w}"):
+    for m in store.list_committed(f"worker{w}", live=True):  # reclaimed rows: retired
       if m.group_id in held and held[m.group_id][0] == w:
         committed[m.group_id].append(m)
   events = []

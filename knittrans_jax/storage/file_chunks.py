@@ -20,10 +20,19 @@ of format 1-2 units without `payload_checksum`. `read_planes` verifies each file
 crc32c when it has one.
 
 Writes (storage/whole_chunks.py decides which): `replace` writes a whole chunk file
-(with its crc32c, as the zarr3 `crc32c` codec appends it) to a temporary name and
-renames it over the old one, so a reader sees the old or the new file, never a
-mix; `update` writes bytes into an existing chunk file in place, for bytes past the
-committed extent only, which no reader reads.
+(with its crc32c, as the zarr3 `crc32c` codec appends it; from one array or a list
+of buffers in file order, e.g. the three planes of a `sequences` chunk) to a
+temporary name and renames it over the old one, so a reader sees the old or the
+new file, never a mix; `update` writes bytes into an existing chunk file in place,
+for bytes past the committed extent only, which no reader reads; `write_new` writes
+a chunk that holds no committed byte in place at its own path.
+
+Recycling: `release` (retention's side) moves a reclaimed chunk file into its
+array's free pool, `{array_dir}/free/`; `FreePool` (the writer's side) takes a file
+from it for a new chunk, renamed into place and written over without O_TRUNC
+(ftruncate only if its size differs), so a run in steady state reuses the pages the
+file system already holds instead of faulting in fresh ones (costly tmpfs pages on
+some VMs: docs/storage.md, "Appends as a unit grows").
 """
 from __future__ import annotations
 
@@ -162,26 +171,48 @@ def chunk_path(array_dir: str, index: int, ndim: int) -> str:
   return os.path.join(array_dir, "c", str(index), *["0"] * (ndim - 1))
 
 
-def replace(path: str, data: np.ndarray, checksum: bool) -> None:
-  """Writes a whole chunk file (a C-contiguous array's bytes, then its crc32c if
-  `checksum`) atomically: to a temporary file, then put in the chunk's place."""
+def _parts_of(data) -> list:
+  """The bytes of a chunk: a C-contiguous array, or a list of buffers in file order."""
+  if isinstance(data, np.ndarray):
+    return [data.reshape(-1).view(np.uint8)]
+  return list(data)
+
+
+def _crc32c(parts: list) -> bytes:
+  """The crc32c of the parts' bytes, in order, as the zarr3 `crc32c` codec appends it."""
+  crc = 0
+  for part in parts:
+    frozen = np.frombuffer(part, np.uint8)
+    frozen.flags.writeable = False  # what google_crc32c takes without a copy
+    crc = google_crc32c.extend(crc, frozen)
+  return crc.to_bytes(4, "little")
+
+
+def replace(path: str, data, checksum: bool, pool: FreePool | None = None) -> None:
+  """Writes a whole chunk file (a C-contiguous array's bytes, or a list of buffers in
+  file order; then their crc32c if `checksum`) atomically: to a temporary file, then
+  put in the chunk's place. With `pool`, the temporary file is a free file of the
+  array when there is one (written over in place, its pages reused), else a new one."""
   tmp = path + ".__knittrans_tmp"
+  parts = _parts_of(data)
+  if checksum:
+    parts.append(_crc32c(parts))
+  want = sum(len(p) if isinstance(p, bytes) else p.nbytes for p in parts)
+  reused = False
   try:
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-  except FileNotFoundError:  # the chunk's directory, on a unit's first write to it
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-  try:
+    if pool is not None and pool.take(tmp):
+      reused, fd = True, os.open(tmp, os.O_WRONLY)  # no O_TRUNC: its pages are reused
+    else:
+      try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+      except FileNotFoundError:  # the chunk's directory, on a unit's first write to it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-      raw = data.reshape(-1).view(np.uint8)
-      parts = [raw]
-      if checksum:
-        frozen = raw.view()
-        frozen.flags.writeable = False  # what google_crc32c takes without a copy
-        parts.append(google_crc32c.value(frozen).to_bytes(4, "little"))
-      want = sum(len(p) for p in parts)
       if os.writev(fd, parts) != want:
         raise ChunkFileError(f"chunk file {tmp}: short write")
+      if reused and os.fstat(fd).st_size != want:  # a free file of another size
+        os.ftruncate(fd, want)
     finally:
       os.close(fd)
     _rename_over(tmp, path)
@@ -252,4 +283,122 @@ def update(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]]) -> 
         raise ChunkFileError(f"chunk file {path}: short write at {offset}")
   finally:
     os.close(fd)
+  return True
+
+
+_FILL: dict[int, memoryview] = {}  # fill value -> bytes of it, grown as needed
+
+
+def _fill(value: int, n: int) -> memoryview:
+  have = _FILL.get(value)
+  if have is None or len(have) < n:
+    have = _FILL[value] = memoryview(np.full(max(n, 1 << 20), value, np.uint8))
+  return have[:n]
+
+
+def write_new(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]], fill: int,
+              pool: FreePool | None = None) -> None:
+  """Writes a chunk that holds no committed byte (a new chunk) in place, at its own
+  path: each (offset, bytes) of `pieces`, in offset order. A file already there of
+  the chunk's size (from a failed or killed append) or one taken from `pool` is
+  written over in place (its other bytes stay: past the commit, no reader reads
+  them); otherwise the file is made whole, `fill` between and after the pieces, as
+  TensorStore would leave it. No temporary file: nothing at this path is committed,
+  a file cut short by a kill is written whole by the next append, and one whose
+  write fails is removed."""
+  fresh = False
+  try:
+    fd = os.open(path, os.O_WRONLY)
+  except FileNotFoundError:
+    if pool is not None and pool.take(path):
+      fd = os.open(path, os.O_WRONLY)  # no O_TRUNC: its pages are what we reuse
+    else:
+      fresh = True
+      try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+      except FileNotFoundError:  # the chunk's directory, on a unit's first write to it
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+  try:
+    try:
+      if not fresh and os.fstat(fd).st_size != file_bytes:
+        fresh = True  # cut short or foreign: made whole below
+        os.ftruncate(fd, file_bytes)
+      if fresh:  # one writev of the whole file
+        parts, at = [], 0
+        for offset, data in pieces:
+          if offset > at:
+            parts.append(_fill(fill, offset - at))
+          parts.append(data)
+          at = offset + len(data)
+        if at < file_bytes:
+          parts.append(_fill(fill, file_bytes - at))
+        if os.pwritev(fd, parts, 0) != file_bytes:
+          raise ChunkFileError(f"chunk file {path}: short write")
+      else:
+        for offset, data in pieces:
+          if os.pwrite(fd, data, offset) != len(data):
+            raise ChunkFileError(f"chunk file {path}: short write at {offset}")
+    finally:
+      os.close(fd)
+  except BaseException:
+    try:  # it holds nothing committed; it must not hold space (a full disk) either
+      os.unlink(path)
+    except OSError:
+      pass
+    raise
+
+
+class FreePool:
+  """The writer's side of an array's free pool (`{array_dir}/free/`, filled by
+  `release`): files to take for new chunks. Only the unit's writer takes from it;
+  `release` may add to it at any time (from this process or another), so the names
+  are listed once (one scandir) and listed again only when the list runs out."""
+
+  def __init__(self, array_dir: str):
+    self.dir = os.path.join(array_dir, FREE_DIR)
+    self._names: list[str] = []
+    self.taken = 0  # files taken, for tests and benchmarks
+
+  def take(self, dst: str) -> bool:
+    """Renames a free file to `dst`; False if there is none."""
+    for listed in (False, True):
+      while self._names:
+        src = os.path.join(self.dir, self._names.pop())
+        try:
+          os.rename(src, dst)
+        except FileNotFoundError:
+          if not os.path.exists(src):  # gone since it was listed
+            continue
+          os.makedirs(os.path.dirname(dst), exist_ok=True)  # a new chunk's directory
+          os.rename(src, dst)
+        self.taken += 1
+        return True
+      if listed:
+        break
+      try:
+        with os.scandir(self.dir) as entries:
+          self._names = [e.name for e in entries if e.is_file(follow_symlinks=False)]
+      except FileNotFoundError:  # nothing released yet
+        return False
+    return False
+
+
+FREE_DIR = "free"  # an array's reclaimed chunk files, for the writer to reuse
+
+
+def release(array_dir: str, path: str, recycle: bool) -> bool:
+  """Takes a reclaimed chunk file out of its array: into the array's free pool
+  (`{array_dir}/free/`, where the unit's writer takes files for new chunks, so a run
+  in steady state writes into pages the file system already holds) if `recycle`,
+  else deleted. False if there was no such file (reclaimed before)."""
+  try:
+    if recycle:
+      pool = os.path.join(array_dir, FREE_DIR)
+      os.makedirs(pool, exist_ok=True)
+      os.rename(path, os.path.join(pool, path[len(array_dir):].strip("/").replace("/", "_")))
+    else:
+      os.unlink(path)
+  except FileNotFoundError:
+    return False
   return True

@@ -19,6 +19,10 @@ chunks written on demand, so appends never rewrite array metadata):
   images/hash                   uint8 [images, HASH_BYTES]: content hash (= id)
   commit                        int64 [COMMIT_LEN]: the commit marker
 
+Beside them, two keys that are not arrays (storage/retention.py): `retain`, the low
+watermark the controller writes, and `reclaimed`, what the writer has reclaimed
+below it; each RETAIN_LEN int64s and their crc32c, one key each.
+
 With StoreSchema.dedup_images (the default) the image table holds each image once
 and `image_refs` of many rows point at it; without, every reference of every row
 has its own row (its own copy) in the table.
@@ -99,6 +103,9 @@ IMG_COLS = IMG_DIM0 + IMG_MAX_NDIM
 # Fields of the commit marker.
 C_FORMAT, C_ROWS, C_TOKENS, C_REFS, C_IMAGES, C_IMAGE_BYTES, C_TURNS = range(7)
 COMMIT_LEN = 8  # format 4 left fields 6 and 7 zero, so C_TURNS reads 0 there
+# The retention records (storage/retention.py): one key each, replaced whole like
+# the commit marker. A unit without them has reclaimed nothing.
+RETAIN_LEN = 16
 
 # Image dtypes the table accepts, by code.
 IMAGE_DTYPES = (np.dtype(np.uint8), np.dtype(np.float32), np.dtype(np.float16),

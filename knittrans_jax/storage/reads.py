@@ -112,6 +112,14 @@ class ReadFuture:
                           map(operator.add, fields("prompt_len"), fields("response_len"))))
     self._runs = _runs(units, self._starts, self._ends)
     self._futures = []  # (unit, run, future of the run's sequences)
+    # Each unit's lowest row, checked against its low watermark before and after the
+    # read (storage/retention.py): never a reclaimed row's, or a recycled chunk's, bytes.
+    self._lowest = {}
+    for unit, row in zip(units, fields("row")):
+      if row < self._lowest.get(unit, row + 1):
+        self._lowest[unit] = row
+    self._reader_of = reader_of
+    self._check_reclaimed()
     # Located first: locating may read metadata (image table, a no-dedup row's refs).
     self._images = (_image_reads(self._metas, reader_of, skip_images, dedup_images)
                     if any(fields("image_ids")) else [])
@@ -126,11 +134,24 @@ class ReadFuture:
         # The content hash checks every image read: its chunks' crc32c is not needed.
         img.future = img.reader.read_flat("images/data", start, end, batch, checked_elsewhere=True)
 
+  def _check_reclaimed(self) -> None:
+    for unit, row in self._lowest.items():
+      self._reader_of(unit).check_rows(row)
+
   def done(self) -> bool:
     return all(f.done() for _, _, f in self._futures) and all(
         img.future.done() for img in self._images)
 
   def result(self) -> Payload:
+    try:
+      payload = self._result()
+    except CorruptUnitError:
+      self._check_reclaimed()  # a row reclaimed while it was read, not a damaged unit
+      raise
+    self._check_reclaimed()
+    return payload
+
+  def _result(self) -> Payload:
     n = len(self._metas)
     out = {name: [None] * n for name in _SEQ_ARRAYS}
     for unit, run, fut in self._futures:

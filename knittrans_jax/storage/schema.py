@@ -10,6 +10,7 @@ import gin
 # Defaults of the fields chosen when a store is created (StoreSchema.for_store).
 DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 18, 1 << 15, 512
 _CHOSEN_AT_CREATE = ("token_chunk", "row_chunk")
+RETENTION = ("trained", "all")
 
 
 @gin.configurable
@@ -41,6 +42,11 @@ class StoreSchema:
     (the default). False stores a copy per trajectory (per image reference) and
     reads move each trajectory's own copy, as systems that ship an image with every
     trajectory do: for comparisons at equal bytes. Reads return the same arrays.
+  retention: 'trained' (the default): a unit's rows below its low watermark, which the
+    job raises once a durable checkpoint records their groups as retired, are
+    reclaimed by the unit's writer, so the store stays the size of the work in
+    flight (storage/retention.py). 'all': every row is kept, for replay and debugging
+    (scripts/replay_check.py needs it).
   """
   sources: tuple[str, ...] = ("math", "code", "chat")
   max_prompt_len: int = 4096
@@ -51,6 +57,7 @@ class StoreSchema:
   payload_checksum: bool = False
   durable: bool = False
   dedup_images: bool = True
+  retention: str = "trained"
 
   def __post_init__(self):
     object.__setattr__(self, "sources", tuple(self.sources))
@@ -65,6 +72,9 @@ class StoreSchema:
         raise ValueError(f"StoreSchema.{name} must be a positive int, got {value!r}")
     if not isinstance(self.dedup_images, bool):
       raise ValueError(f"StoreSchema.dedup_images must be a bool, got {self.dedup_images!r}")
+    if self.retention not in RETENTION:
+      raise ValueError(f"StoreSchema.retention must be one of {RETENTION}, got "
+                       f"{self.retention!r}")
 
   def for_store(self, url: str, existing: "StoreSchema | None" = None) -> "StoreSchema":
     """This schema with the fields left None chosen: the existing store's values, or

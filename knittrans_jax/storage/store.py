@@ -19,6 +19,7 @@ from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import (CorruptUnitError, SchemaMismatchError, StoreError,
                                           UnknownUnitError)
 from knittrans_jax.storage.reads import ReadFuture
+from knittrans_jax.storage.retention import publish_watermark, unit_bytes
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.storage.unit_reader import UnitReader
 from knittrans_jax.storage.unit_writer import UnitWriter
@@ -74,10 +75,11 @@ class TrajectoryStore:
       raise StoreError(f"store {url}: {_SCHEMA_KEY} is unreadable: {e}") from e
     return cls(url, schema)
 
-  def writer(self, unit: str, host: str | None = None) -> UnitWriter:
-    """Opens the unit for appending (creating it if new); resumes at its commit."""
+  def writer(self, unit: str, host: str | None = None, **options) -> UnitWriter:
+    """Opens the unit for appending (creating it if new); resumes at its commit.
+    `options`: UnitWriter's (reclaim_every_s)."""
     registered = self._kv.read(_REGISTRY + L.check_unit_name(unit)).result().state == "value"
-    w = UnitWriter(self.url, unit, self.schema, host=host, registered=registered)
+    w = UnitWriter(self.url, unit, self.schema, host=host, registered=registered, **options)
     self._kv.write(_REGISTRY + unit, w.host).result()  # listed only once it is valid
     return w
 
@@ -98,10 +100,39 @@ class TrajectoryStore:
       self._readers[unit] = UnitReader(self.url, unit, self.schema)
     return self._readers[unit]
 
-  def list_committed(self, unit: str | None = None) -> list[TrajMeta]:
-    """Metadata of every committed trajectory (of one unit, or of all units)."""
+  def retain_from(self, unit: str, row: int) -> int:
+    """Raises `unit`'s low watermark to `row` (storage/retention.py): its writer may
+    reclaim every row below it. Only once a durable checkpoint records those rows'
+    groups as retired. Returns the watermark now; a no-op (0) with retention 'all'."""
+    if self.schema.retention == "all":
+      return 0
+    committed = self.reader(unit).commit().rows
+    return publish_watermark(unit, L.join(self.url, unit), row, committed, self.schema.durable)
+
+  def list_committed(self, unit: str | None = None, live: bool = False) -> list[TrajMeta]:
+    """Metadata of every committed trajectory (of one unit, or of all units). A unit
+    with reclaimed rows raises ReclaimedRowError, unless `live`: then each unit is
+    listed from its low watermark (the rows it still holds)."""
     units = [unit] if unit is not None else self.units()
-    return [m for u in units for m in self.reader(u).list()]
+    return [m for u in units
+            for m in self.reader(u).list(start=self.reader(u).watermark() if live else 0)]
+
+  def footprint(self, files: bool = True) -> dict:
+    """Rows committed and still held (at or above each unit's watermark) over all units,
+    and (`files`) the bytes of their files, free pools included, on a `file://` store
+    (else None)."""
+    units = self.units()
+    committed = sum(self.reader(u).commit().rows for u in units)
+    held = committed - sum(self.reader(u).watermark() for u in units)
+    local = files and self.url.startswith("file://")
+    return {"rows_committed": committed, "rows_held": held,
+            "bytes": sum(unit_bytes(L.join(self.url, u)) for u in units) if local else None}
+
+  def committed_ids(self) -> set[str]:
+    """The id of every row ever committed, the reclaimed ones included (their rows
+    are below each unit's low watermark): what a run's accounting checks against."""
+    return {f"{u}/{r}" for u in self.units() for r in range(self.reader(u).watermark())} | {
+        m.id for m in self.list_committed(live=True)}
 
   def read(self, metas: Sequence[TrajMeta], skip_images=()) -> ReadFuture:
     """Starts reading the payloads of `metas`; returns at once. Images whose ids are

@@ -16,6 +16,7 @@ from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit
 from knittrans_jax.storage.errors import CorruptUnitError
 from knittrans_jax.storage.images import hash_to_hex, image_id
+from knittrans_jax.storage.retention import ReclaimedRowError, Records
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import TrajMeta
 
@@ -34,12 +35,28 @@ class UnitReader:
     except Exception as e:
       raise CorruptUnitError(unit, f"cannot open its arrays: {e}") from e
     # Image table rows are immutable once committed, so they are cached.
+    # From image-table row `_image_base` on (rows below it may be reclaimed).
+    self._image_base = self._live_images = 0
     self._image_ids: list[str] = []
     self._image_rows = np.zeros((0, L.IMG_COLS), np.int64)
     self._image_pos: dict[str, int] = {}
     self._row_refs: dict[int, np.ndarray] = {}  # row -> image-table indices (no-dedup stores)
     self.image_hash = image_id  # what every readable format keys images by
     self._dir = file_chunks.local_path(L.join(root, unit))  # None: not a file:// store
+    self._records = Records(unit, self._url, schema.durable)
+    self._retains = schema.retention != "all"
+
+  def watermark(self) -> int:
+    """The unit's low watermark: rows below it may be reclaimed (storage/retention.py)."""
+    return self._records.watermark() if self._retains else 0
+
+  def check_rows(self, first: int) -> None:
+    """Raises ReclaimedRowError if row `first` (a unit's lowest row asked for) is
+    below the low watermark."""
+    if self._retains:
+      w = self.watermark()
+      if first < w:
+        raise ReclaimedRowError(self.unit, first, w)
 
   def commit(self) -> Commit:
     commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
@@ -105,23 +122,38 @@ class UnitReader:
 
   def refresh_images(self, commit: Commit | None = None) -> None:
     commit = commit or self.commit()
-    have = len(self._image_ids)
+    have = self._image_base + len(self._image_ids)
     if commit.images <= have:
       return
+    if not self._image_ids and self._retains:
+      # A first read: from the reclaimed floor (the row before the first kept image,
+      # whose end is that image's start).
+      first = self._records.floors()[0].images
+      have = self._image_base = max(first - 1, 0)
+      self._live_images = first
     with ts.Batch() as batch:
       fh = self._read("images/hash", have, commit.images, batch)
       fi = self._read("images/index", have, commit.images, batch)
-    hashes, rows = self._result(fh, "images/hash"), self._result(fi, "images/index")
-    if (rows[:, L.IMG_BYTE_END] < 0).any() or rows[-1, L.IMG_BYTE_END] != commit.image_bytes:
-      raise CorruptUnitError(self.unit, "image index disagrees with the commit marker")
+    try:
+      hashes, rows = self._result(fh, "images/hash"), self._result(fi, "images/index")
+      if (rows[:, L.IMG_BYTE_END] < 0).any() or rows[-1, L.IMG_BYTE_END] != commit.image_bytes:
+        raise CorruptUnitError(self.unit, "image index disagrees with the commit marker")
+    except CorruptUnitError:
+      if self._retains and not self._image_ids and self._records.floors()[0].images > first:
+        self._image_base = 0  # reclaimed while this read ran: from the new floor
+        return self.refresh_images(commit)
+      raise
     new_ids = [hash_to_hex(h) for h in hashes]
-    self._image_pos.update({iid: have + k for k, iid in enumerate(new_ids)})
+    # The image before the first kept one is reclaimed: its row gives offsets only.
+    live = self._live_images
+    self._image_pos.update({iid: have + k for k, iid in enumerate(new_ids) if have + k >= live})
     self._image_ids += new_ids
     self._image_rows = np.concatenate([self._image_rows, rows])
 
   def image_ids(self) -> list[str]:
+    """The ids of the image table's rows, from its first row not reclaimed."""
     self.refresh_images()
-    return list(self._image_ids)
+    return list(self._image_ids[self._live_images - self._image_base:])
 
   def list(self, start: int = 0, stop: int | None = None) -> list[TrajMeta]:
     """Metadata of committed rows [start, stop) (stop defaults to the commit)."""
@@ -131,11 +163,20 @@ class UnitReader:
     stop = commit.rows if stop is None else min(stop, commit.rows)
     if start >= stop:
       return []
+    self.check_rows(start)
     lo = max(start - 1, 0)  # one row earlier gives this range's start offsets
     with ts.Batch() as batch:
       f_rows = self._read("rows", lo, stop, batch)
       f_rew = self._read("reward", start, stop, batch)
-    rows, reward = self._result(f_rows, "rows"), self._result(f_rew, "reward")
+    try:
+      return self._list(commit, start, stop, self._result(f_rows, "rows"),
+                        self._result(f_rew, "reward"))
+    except CorruptUnitError:
+      self.check_rows(start)  # reclaimed while this read ran, not damaged
+      raise
+
+  def _list(self, commit: Commit, start: int, stop: int, rows: np.ndarray,
+            reward: np.ndarray) -> list[TrajMeta]:
     prev = rows[0] if start > 0 else np.zeros(L.row_cols(commit.format), np.int64)
     rows = rows[1:] if start > 0 else rows
     tok_end, ref_end = rows[:, L.TOK_END], rows[:, L.REF_END]
@@ -155,9 +196,9 @@ class UnitReader:
       refs = self._result(self._read("image_refs", int(ref_start[0]), int(ref_end[-1])),
                           "image_refs")
       self.refresh_images(commit)
-      if (refs < 0).any() or (refs >= len(self._image_ids)).any():
+      if (refs < self._live_images).any() or (refs >= self._image_end()).any():
         raise CorruptUnitError(self.unit, "image references point outside the image table")
-    base = ref_start[0]
+    base, ib = ref_start[0], self._image_base
     if not self.schema.dedup_images:  # reads locate each row's own copies from these
       for r in range(stop - start):
         self._row_refs[start + r] = refs[ref_start[r] - base:ref_end[r] - base]
@@ -170,7 +211,8 @@ class UnitReader:
         source=sources[rows[r, L.SOURCE]], group_id=int(rows[r, L.GROUP_ID]),
         index_in_group=int(rows[r, L.INDEX_IN_GROUP]), version_first=int(rows[r, L.V_FIRST]),
         version_last=int(rows[r, L.V_LAST]), reward=float(reward[r]),
-        image_ids=tuple(self._image_ids[i] for i in refs[ref_start[r] - base:ref_end[r] - base]),
+        image_ids=tuple(self._image_ids[i - ib]
+                        for i in refs[ref_start[r] - base:ref_end[r] - base]),
         loss_tokens=loss[r], turns=turns[r],
         **({"gen_seconds": int(rows[r, L.GEN_US]) / 1e6, "env_seconds": int(rows[r, L.ENV_US]) / 1e6}
            if commit.format >= 5 else {}))
@@ -196,6 +238,9 @@ class UnitReader:
                              "missing or damaged)")
     return L.turn_spans(table, start - start[0], end - start)
 
+  def _image_end(self) -> int:
+    return self._image_base + len(self._image_ids)
+
   def image_row(self, image_id: str) -> int:
     """The image table row that holds `image_id` (with dedup, its only copy)."""
     if image_id not in self._image_pos:
@@ -206,13 +251,14 @@ class UnitReader:
 
   def image_at(self, k: int) -> tuple[int, int, np.dtype, tuple[int, ...]]:
     """(byte start, byte end, dtype, shape) of row k of the (refreshed) image table."""
-    row = self._image_rows[k]
-    start = int(self._image_rows[k - 1, L.IMG_BYTE_END]) if k else 0
+    j = k - self._image_base
+    row = self._image_rows[j]
+    start = int(self._image_rows[j - 1, L.IMG_BYTE_END]) if k else 0
     shape = tuple(int(d) for d in row[L.IMG_DIM0:L.IMG_DIM0 + row[L.IMG_NDIM]])
     return start, int(row[L.IMG_BYTE_END]), L.IMAGE_DTYPES[row[L.IMG_DTYPE]], shape
 
   def image_id_at(self, k: int) -> str:
-    return self._image_ids[k]
+    return self._image_ids[k - self._image_base]
 
   def row_image_refs(self, rows: Sequence[int]) -> dict[int, np.ndarray]:
     """Image-table indices of each committed row's images, in the row's order.
@@ -246,7 +292,7 @@ class UnitReader:
       self.refresh_images(commit)
       for (lo, hi), e, f in zip(runs, ends, f_refs):
         refs = self._result(f, "image_refs") if f is not None else np.zeros(0, np.int64)
-        if (refs < 0).any() or (refs >= len(self._image_ids)).any():
+        if (refs < self._live_images).any() or (refs >= self._image_end()).any():
           raise CorruptUnitError(self.unit, "image references point outside the image table")
         for r in range(lo, hi):
           self._row_refs[r] = refs[e[r - lo] - e[0]:e[r - lo + 1] - e[0]]

@@ -24,18 +24,25 @@ from knittrans_jax.storage.commit import Commit, read_commit, write_commit
 from knittrans_jax.storage.errors import CorruptUnitError, StoreError
 from knittrans_jax.storage.images import (Image, check_image, hash_to_hex, hex_to_hash,
                                           image_id)
+from knittrans_jax.storage.retention import Reclaimer
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.storage.validation import pack_append
 from knittrans_jax.storage.whole_chunks import DamagedTail, WholeChunkAppender
 from knittrans_jax.types import TrajMeta, Trajectory
 
 
+# How often an append looks for a new low watermark (one small read).
+RECLAIM_CHECK_S = 1.0
+
+
 class UnitWriter:
   """The single writer of a storage unit. Reopening after a crash resumes at the commit."""
 
   def __init__(self, root: str, unit: str, schema: StoreSchema, host: str | None = None,
-               registered: bool = False):
+               registered: bool = False, reclaim_every_s: float = RECLAIM_CHECK_S):
+    """`reclaim_every_s`: how often an append first looks for a new low watermark."""
     self.unit = L.check_unit_name(unit)
+    self._reclaim_every_s = reclaim_every_s
     self.schema = schema
     self.url = L.join(root, unit)
     marker = L.open_unit_arrays(self.url, schema, create=True, names=("commit",))
@@ -68,6 +75,10 @@ class UnitWriter:
     # except with `durable`, where TensorStore's file driver does the fsyncs.
     self._dir = None if schema.durable else file_chunks.local_path(self.url)
     self._in_place = self._dir is not None and file_chunks.local_file_system(self._dir)
+    # Retention (storage/retention.py): finishes a reclamation a killed writer left.
+    self._reclaimer = Reclaimer(unit, self.url, self._arrays, schema.durable,
+                                direct=self._dir is not None)
+    self._reclaim_checked = 0.0
     self._load_committed()
     self._unsure = False  # a commit marker write failed: did it land? (see _write)
 
@@ -83,9 +94,10 @@ class UnitWriter:
     except DamagedTail as e:
       raise CorruptUnitError(self.unit, str(e)) from e
     self._image_index: dict[str, int] = {}
-    if self._commit.images:
-      hashes = self._arrays["images/hash"][: self._commit.images].read().result()
-      self._image_index = {hash_to_hex(h): i for i, h in enumerate(hashes)}
+    first = self._reclaimer.floors.images  # images below it are reclaimed
+    if self._commit.images > first:
+      hashes = self._arrays["images/hash"][first:self._commit.images].read().result()
+      self._image_index = {hash_to_hex(h): first + i for i, h in enumerate(hashes)}
 
   def _resync(self) -> None:
     """After an append whose outcome is unknown: continue from what the store holds."""
@@ -97,6 +109,23 @@ class UnitWriter:
         raise StoreError(f"unit '{self.unit}': cannot re-read the commit marker after a failed "
                          f"append: {e}") from e
       self._unsure = False
+
+  def reclaim(self) -> int:
+    """Reclaims the rows below the unit's low watermark (storage/retention.py): the
+    chunks wholly below what rows at or above it need, and the images none of them
+    refers to. Returns the chunks reclaimed. A no-op with StoreSchema.retention 'all'."""
+    self._reclaim_checked = time.monotonic()
+    if self.schema.retention == "all":
+      return 0
+    self._resync()
+    r, c = self._reclaimer, self._commit
+    watermark = r.records.watermark()
+    if watermark <= r.floors.watermark:
+      return 0
+    done = r.apply(r.plan(watermark, c.rows, c.refs, c.images, c.image_bytes))
+    first = r.floors.images
+    self._image_index = {iid: k for iid, k in self._image_index.items() if k >= first}
+    return done
 
   @property
   def num_rows(self) -> int:
@@ -117,6 +146,8 @@ class UnitWriter:
     trajectory gets its own copy, so its images must come in this call.
     """
     self._resync()
+    if time.monotonic() - self._reclaim_checked >= self._reclaim_every_s:
+      self.reclaim()
     ids, pool = self._resolve_images(images)
     dedup = self.schema.dedup_images
     packed = None
@@ -205,18 +236,21 @@ class UnitWriter:
         futures.append(write("image_refs", c.refs, refs))
       if packed.turns.size:
         futures.append(write("turns", c.turns, packed.turns))
-      spans = L.turn_spans(packed.turns, turn_end - packed.turn_count - c.turns, packed.turn_count)
-      starts = tok_end - lengths
-      for r in range(k):
-        metas.append(TrajMeta(
-            unit=self.unit, row=c.rows + r, token_start=int(starts[r]),
-            prompt_len=int(packed.prompt_len[r]), response_len=int(packed.response_len[r]),
-            source=self.schema.sources[packed.source[r]], group_id=int(packed.group_id[r]),
-            index_in_group=int(packed.index_in_group[r]),
-            version_first=int(packed.version_first[r]), version_last=int(packed.version_last[r]),
-            reward=float(packed.reward[r]), image_ids=packed.image_ids[r],
-            loss_tokens=int(packed.loss_tokens[r]), turns=spans[r],
-            gen_seconds=int(packed.gen_us[r]) / 1e6, env_seconds=int(packed.env_us[r]) / 1e6))
+      spans = (L.turn_spans(packed.turns, turn_end - packed.turn_count - c.turns,
+                            packed.turn_count) if packed.turns.size else [()] * k)
+      # Columns as Python lists first: one conversion per column, not per value.
+      cols = [x.tolist() for x in (tok_end - lengths, packed.prompt_len, packed.response_len,
+                                   packed.source, packed.group_id, packed.index_in_group,
+                                   packed.version_first, packed.version_last, packed.reward,
+                                   packed.loss_tokens, packed.gen_us, packed.env_us)]
+      sources = self.schema.sources
+      metas = [TrajMeta(
+          unit=self.unit, row=c.rows + r, token_start=start, prompt_len=plen,
+          response_len=rlen, source=sources[src], group_id=gid, index_in_group=idx,
+          version_first=v0, version_last=v1, reward=rew, image_ids=iids, loss_tokens=loss,
+          turns=turns, gen_seconds=gen / 1e6, env_seconds=env / 1e6)
+          for r, (start, plen, rlen, src, gid, idx, v0, v1, rew, loss, gen, env), iids, turns
+          in zip(range(k), zip(*cols), packed.image_ids, spans)]
       n_rows, n_tok, n_refs = c.rows + k, c.tokens + T, c.refs + refs.size
       n_turns = c.turns + len(packed.turns)
     if not futures:

@@ -2,12 +2,21 @@
 
 Everything is validated up front so that a bad trajectory anywhere in a call means
 nothing of the call is written.
+
+Two passes, one answer. `_pack_fast` takes calls of the usual types (int32 tokens,
+float32 log-probs, bool or uint8 masks, plain ints and floats) with one loop of
+exact type and shape checks per trajectory and the value checks (token range,
+finite log-probs and rewards, mask values) once over the packed call; anything else,
+or anything bad, goes to `_pack`, which checks field by field and raises the error
+naming the first bad field and its value. So the fast pass never decides an error
+message, only whether the call is fine as it is.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 import numbers
+import operator
 from typing import Collection, Sequence
 
 import numpy as np
@@ -106,6 +115,95 @@ def _turns(value, i: int, gid, response_len: int, versions: list[int]) -> list[t
   return out
 
 
+_INTS = (int, np.integer)
+_REALS = (int, float, np.integer, np.floating)
+
+
+def _is_int(value) -> bool:
+  """An int in [0, 2**63), as `_int_field` takes it (bools are not)."""
+  return type(value) is not bool and isinstance(value, _INTS) and 0 <= value <= _INT64_MAX
+
+
+def _is_real(value) -> bool:
+  """A real number as `_seconds` and the reward check take it (bools are not); the
+  finite and range checks are the caller's."""
+  return type(value) is not bool and isinstance(value, _REALS)
+_MASKS = (np.dtype(bool), np.dtype(np.uint8))
+_I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
+
+
+_FIELDS = operator.attrgetter(
+    "prompt_tokens", "response_tokens", "logprobs", "loss_mask", "group_id", "index_in_group",
+    "reward", "versions", "source", "image_ids", "turns", "gen_seconds", "env_seconds")
+# PackedAppend's int64 columns, in the order _pack_fast collects them per row.
+_FAST_COLS = ("prompt_len", "response_len", "source", "group_id", "index_in_group",
+              "version_first", "version_last", "loss_tokens", "turn_count", "gen_us", "env_us")
+
+
+def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
+               known_images: Collection[str]) -> PackedAppend | None:
+  """The call packed, if every trajectory has the usual types and passes every check;
+  None otherwise (`_pack` then finds the first bad field, or packs what this pass
+  does not take). One tuple of ints per row, made into the columns at once."""
+  sources = {s: i for i, s in enumerate(schema.sources)}
+  max_p, max_r = schema.max_prompt_len, schema.max_response_len
+  seqs, lps, masks, imgs, turns, rows, rewards = [], [], [], [], [], [], []
+  zf, zm = np.zeros(max_p, np.float32), np.zeros(max_p, np.uint8)
+  ndarray, i32, f32, mask_types, inf = np.ndarray, _I32, _F32, _MASKS, math.inf
+  for i, t in enumerate(trajectories):
+    if type(t) is not Trajectory:
+      return None
+    p, r, lp, m, gid, idx, reward, versions, source, ids, spans, gen, env = _FIELDS(t)
+    if not (type(p) is ndarray and type(r) is ndarray and type(lp) is ndarray
+            and type(m) is ndarray and p.dtype == i32 and r.dtype == i32 and lp.dtype == f32
+            and m.dtype in mask_types and p.ndim == 1 and r.ndim == 1):
+      return None
+    n_p, n_r = p.size, r.size
+    if not (0 < n_p <= max_p and 0 < n_r <= max_r and lp.shape == r.shape
+            and m.shape == r.shape):
+      return None
+    if not ((type(gid) is int and 0 <= gid <= _INT64_MAX or _is_int(gid))
+            and (type(idx) is int and 0 <= idx <= _INT64_MAX or _is_int(idx))
+            and (type(reward) is float or _is_real(reward))
+            and type(versions) in (tuple, list) and versions):
+      return None
+    for v in versions:
+      if not (type(v) is int and 0 <= v <= _INT64_MAX or _is_int(v)):
+        return None
+    source = sources.get(source) if isinstance(source, str) else None
+    if source is None or type(spans) not in (tuple, list):
+      return None
+    if type(ids) is not tuple:
+      ids = tuple(ids)
+    if ids and any(image not in known_images for image in ids):
+      return None
+    if spans:
+      try:
+        spans = _turns(spans, i, gid, n_r, [int(v) for v in versions])
+      except Bad:
+        return None
+      turns += spans
+    if not (_is_real(gen) and _is_real(env) and 0 <= gen < inf and 0 <= env < inf):
+      return None
+    seqs += (p, r)
+    lps += (zf[:n_p], lp)
+    masks += (zm[:n_p], m.view(np.uint8))
+    rows.append((n_p, n_r, source, gid, idx, min(versions), max(versions), np.count_nonzero(m),
+                 len(spans), round(float(gen) * 1e6) if gen else 0,
+                 round(float(env) * 1e6) if env else 0))
+    rewards.append(reward)
+    imgs.append(ids)
+  tokens, logprobs, mask = np.concatenate(seqs), np.concatenate(lps), np.concatenate(masks)
+  reward = np.asarray(rewards, np.float64)
+  if not (tokens.min() >= 0 and np.isfinite(logprobs).all() and np.isfinite(reward).all()
+          and mask.max() <= 1):
+    return None
+  cols = np.array(rows, np.int64).T.copy()
+  return PackedAppend(tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward,
+                      image_ids=imgs, turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
+                      **dict(zip(_FAST_COLS, cols)))
+
+
 def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
                 known_images: Collection[str]) -> PackedAppend:
   """Validates every trajectory; raises `TrajectoryValidationError` on the first bad field.
@@ -113,12 +211,17 @@ def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
   `known_images`: the ids a trajectory may name (the unit's and the call's images;
   the call's only when the store keeps a copy per trajectory).
 
-  The value checks of int32 tokens and float32 log-probs (the usual dtypes) run once
-  over the packed call rather than per trajectory; if anything is bad, the call is
-  checked again trajectory by trajectory, so the error names the first bad field.
+  A call of the usual types is checked in one pass (`_pack_fast`: its value checks
+  once over the packed call). Any other call, or one that fails a check there, is
+  packed by `_pack`: its int32 token and float32 log-prob values are checked once
+  over the packed call too, and if anything is bad, the call is checked again
+  trajectory by trajectory, so the error names the first bad field.
   """
   if not trajectories:
     raise ValueError("append needs at least one trajectory")
+  packed = _pack_fast(trajectories, schema, known_images)
+  if packed is not None:
+    return packed
   try:
     packed = _pack(trajectories, schema, known_images, values=False)
   except Bad:

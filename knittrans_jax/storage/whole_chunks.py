@@ -11,23 +11,40 @@ atomically with its committed bytes unchanged (they are the tail's), and what li
 past the data is the fill value, as TensorStore would have written it.
 
 The planar `sequences` array (storage/layout.py) is appended to the same way, in
-tokens: its tail is the committed tokens of the boundary chunk, one array per plane,
-and each chunk written is assembled from the planes.
+tokens. Its boundary chunk is kept as a whole chunk buffer (`_SeqChunk`, two of
+them: an append that moves the tail into a new chunk puts it in the other, so a
+failed append never touches the committed tail); an append adds views of its
+tokens there, copied into the buffer only when the chunk is wanted whole, so no
+append copies the committed tail again (it used to concatenate it, O(chunk) per
+append).
 
 A local unit (`local_dir`: `file://`, not `durable`) is written straight to its chunk
-files (storage/file_chunks.py). Chunks with a crc32c are replaced whole, as above.
-On a local file system (`in_place`), chunks of `sequences` without one are written
-in place: only the new tokens' bytes of each plane, into the existing file of the
-boundary chunk; committed bytes are never written, so a reader (which reads
-committed bytes only) and a process killed mid-append see the committed data
-unchanged. Past the committed extent such a chunk holds the fill value or the
-bytes of an append that failed or was killed, which the next append overwrites. A
-chunk whose file is missing or not a whole chunk (the first append to it; a
-damaged file) is replaced whole.
+files (storage/file_chunks.py). Chunks with a crc32c are replaced whole, as above;
+full chunks of new tokens straight from the append's planes. On a local file system
+(`in_place`), chunks of `sequences` without one are written in place: only the new
+tokens' bytes of each plane. Into the existing file of the boundary chunk:
+committed bytes are never written, so a reader (which reads committed bytes only)
+and a process killed mid-append see the committed data unchanged. A chunk with no
+committed token (a new chunk) is written in place at its own path too: into a file
+already there, a file of the array's free pool, or a new file written whole with
+the fill value around the new tokens (file_chunks.write_new); nothing is built in
+memory for it. Past the committed extent such a chunk holds the fill value, the
+bytes of an append that failed or was killed, or (a recycled file) an older chunk's
+bytes; the next append overwrites what it needs. A boundary chunk whose file is
+missing or not a whole chunk (a damaged file) is replaced whole from the tail.
+
+New chunks take their files from the array's free pool (`{array}/free/`, where
+retention puts chunk files it reclaimed: file_chunks.release, FreePool) when it has
+one, so a run in steady state writes into pages the file system already holds: in
+place as above, or as the temporary file of a chunk replaced whole. A chunk that
+holds committed data never takes one, and a file replaced out of a chunk is deleted,
+not put in the pool: a reader may still have it open.
 
 The committed tails are checked when the writer opens the unit: a boundary chunk
 that is missing (read as fill values) or damaged is an error, not rewritten with
-the fill values as if they were data.
+the fill values as if they were data. Only the committed tokens of a `sequences`
+chunk are checked: past them a recycled file holds an older chunk's valid-looking
+bytes, which no reader reads (they lie past the commit marker).
 
 A tail becomes the committed one only once its append commits (`commit()`); after a
 failed append the next one writes from the committed tail again.
@@ -68,6 +85,54 @@ def _check_tail(name: str, tail, fill) -> None:
                       "or damaged; the writer does not append over it")
 
 
+class _SeqChunk:
+  """One chunk of `sequences` in memory, laid out as its file: three planes. Tokens
+  [0, dirty) may hold data (committed, or an append's that failed); the rest hold
+  the fill value, so `whole` pads by filling only what was written before.
+
+  Tokens are put lazily: `put` keeps views of the appends' planes (the packed arrays
+  of an append, which nothing changes after it), copied into the buffer only when
+  the chunk is wanted whole (`whole`: a chunk with a crc32c, a remote or damaged
+  one), so the usual in-place append copies nothing here."""
+
+  def __init__(self, c: int):
+    self.buf = np.full(L.SEQ_BYTES * c, L.SEQ_FILL, np.uint8)  # once per writer
+    self.raw = [self.buf[o:o + c * dt.itemsize]
+                for o, (_, dt) in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS)]
+    self.planes = [r.view(dt) for r, (_, dt) in zip(self.raw, L.SEQ_FIELDS)]
+    self.dirty = 0
+    self._views: list[tuple[int, list[np.ndarray]]] = []  # (at, planes), not yet copied
+
+  def put(self, at: int, planes) -> None:
+    """Tokens [at, at + n) from the n tokens' planes (kept as views until wanted)."""
+    # Views at or past `at` are a failed append's (tokens below `at` are committed):
+    # this put replaces them.
+    while self._views and self._views[-1][0] >= at:
+      self._views.pop()
+    self._views.append((at, planes))
+    self.dirty = max(self.dirty, at + len(planes[0]))
+
+  def tokens(self, n: int) -> list[np.ndarray]:
+    """The planes of tokens [0, n)."""
+    self._copy()
+    return [p[:n] for p in self.planes]
+
+  def _copy(self) -> None:
+    for at, planes in self._views:
+      for dst, src in zip(self.planes, planes):
+        dst[at:at + len(src)] = src
+    self._views.clear()
+
+  def whole(self, n: int) -> np.ndarray:
+    """The chunk file's bytes: tokens [0, n) as put, the fill value after them."""
+    self._copy()
+    if self.dirty > n:
+      for r, (_, dt) in zip(self.raw, L.SEQ_FIELDS):
+        r[n * dt.itemsize:self.dirty * dt.itemsize] = L.SEQ_FILL
+      self.dirty = n
+    return self.buf
+
+
 class WholeChunkAppender:
   """Tails of the arrays named in `extents` (name -> committed length along axis 0,
   in tokens for the planar `sequences`)."""
@@ -76,6 +141,7 @@ class WholeChunkAppender:
                local_dir: str | None = None, in_place: bool = False):
     self._arrays, self._dir, self._in_place = arrays, local_dir, in_place and local_dir
     self._chunk, self._fill, self._crc, reads = {}, {}, {}, {}
+    self._pools: dict[str, file_chunks.FreePool] = {}
     for name, n in extents.items():
       rows = arrays[name].chunk_layout.write_chunk.shape[0]
       self._crc[name] = any(c["name"] == "crc32c" for c in arrays[name].codec.to_json()["codecs"])
@@ -87,22 +153,38 @@ class WholeChunkAppender:
         self._chunk[name] = rows
         self._fill[name] = np.asarray(arrays[name].fill_value)
         reads[name] = arrays[name][self._start(name, n):n].read()
-    self._tails = {name: self._planes_of(f.result() if f else None, extents[name])
-                   if name == "sequences" else f.result() for name, f in reads.items()}
-    for name, tail in self._tails.items():
-      _check_tail(name, tail, self._fill.get(name))
-    self._pending: dict[str, np.ndarray | tuple[np.ndarray, ...]] = {}
+    # `sequences`: the boundary chunk in memory (two buffers, so that an append that
+    # moves the tail to a new chunk never writes over the committed one), its
+    # committed tokens [0, _seq_len) in _seq[_cur].
+    self._seq: list[_SeqChunk | None] = [None, None]
+    self._seq_offsets = L.seq_plane_offsets(self._chunk.get("sequences", 0))
+    self._cur, self._seq_len, self._seq_pending = 0, 0, None
+    self._tails = {}
+    for name, f in reads.items():
+      if name != "sequences":
+        self._tails[name] = f.result()
+        _check_tail(name, self._tails[name], self._fill[name])
+      elif f is not None:
+        chunk = self._buffer(0)
+        chunk.buf[:] = f.result()
+        chunk.dirty = self._chunk[name]  # past the commit: whatever the file held
+        self._seq_len = extents[name] % self._chunk[name]
+        _check_tail(name, [p[:self._seq_len] for p in chunk.planes], None)
+    self._pending: dict[str, np.ndarray] = {}
 
   def _start(self, name: str, extent: int) -> int:
     return extent - extent % self._chunk[name]
 
-  def _planes_of(self, chunk_bytes: np.ndarray | None, extent: int) -> tuple[np.ndarray, ...]:
-    """The committed tokens of the boundary chunk of `sequences`, one array per plane."""
-    c, j = self._chunk["sequences"], extent % self._chunk["sequences"]
-    if chunk_bytes is None:
-      return tuple(np.zeros(0, dt) for _, dt in L.SEQ_FIELDS)
-    return tuple(chunk_bytes[o:o + j * dt.itemsize].view(dt)
-                 for o, (_, dt) in zip(L.seq_plane_offsets(c), L.SEQ_FIELDS))
+  def _buffer(self, i: int) -> _SeqChunk:
+    if self._seq[i] is None:
+      self._seq[i] = _SeqChunk(self._chunk["sequences"])
+    return self._seq[i]
+
+  def _pool(self, name: str) -> file_chunks.FreePool:
+    """Where new chunks of a local array take their files (file_chunks.release)."""
+    if name not in self._pools:
+      self._pools[name] = file_chunks.FreePool(self._dir + name)
+    return self._pools[name]
 
   def write(self, name: str, extent: int, data: np.ndarray):
     """Writes `data` at [extent, extent + len(data)) as whole chunks; `extent` is the
@@ -123,8 +205,10 @@ class WholeChunkAppender:
       return self._arrays[name][start:padded_end].write(block)
     try:
       for i in range(0, len(block), c):
+        # A chunk without committed rows takes a free file, if its array has one.
+        pool = self._pool(name) if start + i >= extent else None
         file_chunks.replace(file_chunks.chunk_path(self._dir + name, (start + i) // c, block.ndim),
-                            block[i:i + c], self._crc[name])
+                            block[i:i + c], self._crc[name], pool)
     except Exception as e:
       return Written(e)
     return Written()
@@ -132,38 +216,67 @@ class WholeChunkAppender:
   def write_sequences(self, extent: int, planes: tuple[np.ndarray, ...]):
     """Writes tokens [extent, extent + n) of `sequences` as whole chunks: `planes` are
     the n tokens' ids, log-probs and loss mask (SEQ_FIELDS order and dtypes). Returns
-    a future."""
-    c, tail = self._chunk["sequences"], self._tails["sequences"]
+    a future. The planes must not change after the call: the writer keeps views of
+    them as the tail (unit_writer passes the arrays it packed for this append).
+
+    The new tokens of the in-memory boundary chunk (if the append ends in it), else
+    of its last, partly filled chunk (the next tail, in the other buffer), are kept
+    there; full chunks go to their files straight from `planes`."""
+    c, j = self._chunk["sequences"], self._seq_len
     start = extent - extent % c
-    if extent - start != len(tail[0]):
-      raise AssertionError(f"sequences: tail of {len(tail[0])} tokens, but the extent {extent} "
+    if extent - start != j:
+      raise AssertionError(f"sequences: tail of {j} tokens, but the extent {extent} "
                            f"leaves {extent - start} in its chunk")
     planes = tuple(np.ascontiguousarray(p, dt) for p, (_, dt) in zip(planes, L.SEQ_FIELDS))
     end = extent + len(planes[0])
     last = end - end % c  # the first token of the partly filled last chunk
-    self._pending["sequences"] = tuple(
-        np.concatenate([t, p]) if last == start else p[last - extent:].copy()
-        for t, p in zip(tail, planes))
-    whole = self._dir is None or self._crc["sequences"] or not self._in_place
-    if whole:
-      block = self._chunks_of(start, end, tail, planes, extent)
-      if self._dir is None:
-        lo = start * L.SEQ_BYTES
-        return self._arrays["sequences"][lo:lo + block.size].write(block.reshape(-1))
+    cur = self._buffer(self._cur)
+    if end < start + c:  # ends in the boundary chunk
+      cur.put(j, planes)
+      self._seq_pending, staged = (self._cur, end - start), True
+    else:
+      if end > last:
+        self._buffer(1 - self._cur).put(0, [p[last - extent:] for p in planes])
+      self._seq_pending, staged = (1 - self._cur, end - last), False
+
+    def boundary() -> np.ndarray:  # chunk start // c, whole, from the committed tail
+      if not staged:
+        cur.put(j, [p[:start + c - extent] for p in planes])
+      return cur.whole(min(end, start + c) - start)
+
+    if self._dir is None:
+      block = self._chunks_of(start, end, cur.tokens(j), planes, extent)
+      lo = start * L.SEQ_BYTES
+      return self._arrays["sequences"][lo:lo + block.size].write(block.reshape(-1))
+    crc = self._crc["sequences"]
+    whole = crc or not self._in_place
+    pool = self._pool("sequences")
     try:
-      offsets = L.seq_plane_offsets(c)
+      offsets, prefix = self._seq_offsets, self._dir + "sequences/c/"
       for k in range(start // c, -(-end // c)):
-        path = file_chunks.chunk_path(self._dir + "sequences", k, 1)
-        if whole:
-          file_chunks.replace(path, block[k - start // c], self._crc["sequences"])
-          continue
+        path = prefix + str(k)  # file_chunks.chunk_path of a 1-D array
         lo, hi = max(extent, k * c), min(end, (k + 1) * c)  # the new tokens of chunk k
-        pieces = [(o + (lo - k * c) * dt.itemsize,
-                   memoryview(p[lo - extent:hi - extent]).cast("B"))
-                  for o, (_, dt), p in zip(offsets, L.SEQ_FIELDS, planes)]
-        if not file_chunks.update(path, L.SEQ_BYTES * c, pieces):
-          one = self._chunks_of(k * c, hi, tail if k * c == start else None, planes, extent)
-          file_chunks.replace(path, one[0], False)
+        new = [p[lo - extent:hi - extent] for p in planes]
+        if whole:
+          if k * c < extent:  # holds committed tokens
+            file_chunks.replace(path, boundary(), crc)
+          elif hi < (k + 1) * c:  # the partly filled last chunk, in a buffer
+            file_chunks.replace(path, self._seq[self._seq_pending[0]].whole(hi - k * c), crc,
+                                pool)
+          else:  # a full chunk of new tokens: its planes in file order
+            file_chunks.replace(path, [memoryview(p).cast("B") for p in new], crc, pool)
+          continue
+        pieces = [(o + (lo - k * c) * dt.itemsize, memoryview(p).cast("B"))
+                  for o, (_, dt), p in zip(offsets, L.SEQ_FIELDS, new)]
+        if k * c >= extent:
+          # A new chunk: no committed byte in it, so it is written in place at its path
+          # even when its file is a recycled one. The bytes past the new tokens are then
+          # an old chunk's: past the commit marker, which no reader reads past, and
+          # which the writer's check of a boundary chunk (_check_tail) does not read
+          # either; later appends write every token below their commit first.
+          file_chunks.write_new(path, L.SEQ_BYTES * c, pieces, L.SEQ_FILL, pool)
+        elif not file_chunks.update(path, L.SEQ_BYTES * c, pieces):
+          file_chunks.replace(path, boundary(), False)  # missing or damaged: whole
     except Exception as e:
       return Written(e)
     return Written()
@@ -171,7 +284,7 @@ class WholeChunkAppender:
   def _chunks_of(self, first: int, end: int, tail, planes, extent: int) -> np.ndarray:
     """Whole chunks [first // c, ceil(end / c)) of `sequences`, uint8 [chunks, bytes]:
     the tail (if `first` is the boundary chunk's start), the planes' tokens from
-    `extent` on, and the fill value past `end`."""
+    `extent` on, and the fill value past `end`. For kvstores other than local files."""
     c = self._chunk["sequences"]
     chunks = -(-end // c) - first // c
     block = np.full((chunks, L.SEQ_BYTES * c), L.SEQ_FILL, np.uint8)
@@ -191,7 +304,11 @@ class WholeChunkAppender:
     """The append's writes are committed: their tails are the committed ones now."""
     self._tails.update(self._pending)
     self._pending.clear()
+    if self._seq_pending is not None:
+      self._cur, self._seq_len = self._seq_pending
+      self._seq_pending = None
 
   def discard(self) -> None:
     """The append failed: the next one starts again from the committed tails."""
     self._pending.clear()
+    self._seq_pending = None

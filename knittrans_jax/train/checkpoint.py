@@ -34,6 +34,8 @@ class Checkpointer:
         enable_async_checkpointing=config.async_save)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "progress"))
+    # Steps saved by this process, and the one found on disk (a resumed run's).
+    self._saved = [s for s in [self._manager.latest_step()] if s is not None]
 
   def save(self, state: TrainState, progress: dict, force: bool = False,
            step: int | None = None) -> bool:
@@ -42,9 +44,18 @@ class Checkpointer:
     step = int(jax.device_get(state.version)) if step is None else step
     if step == self._manager.latest_step():
       return False  # already saved at this version (e.g. a periodic save, then the final one)
-    return self._manager.save(step, args=ocp.args.Composite(
+    saved = self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state._asdict()), progress=ocp.args.JsonSave(progress)),
         force=force)
+    if saved:
+      self._saved.append(step)
+    return saved
+
+  def durable_step(self) -> int | None:
+    """The latest step whose checkpoint is wholly written (None: none yet). An
+    asynchronous save still writing is not; orbax runs one at a time."""
+    done = self._saved[:-1] if self._manager.is_saving_in_progress() else self._saved
+    return done[-1] if done else None
 
   def should_save(self, step: int) -> bool:
     return self._manager.should_save(step)

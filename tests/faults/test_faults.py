@@ -3,7 +3,8 @@ random timing; nothing committed may be lost or duplicated. scripts/fault_report
 runs the same scenarios with the full trial counts."""
 import pytest
 
-from knittrans_jax.faults import concurrent_writers, corrupt_chunk, disk_full, trainer_kill, writer_kill
+from knittrans_jax.faults import (concurrent_writers, corrupt_chunk, disk_full, reclaim_kill,
+                                  trainer_kill, writer_kill)
 
 pytestmark = pytest.mark.slow
 
@@ -45,3 +46,11 @@ def test_trainer_sigkill_then_resume(tmp_path):
   _clean(out)
   assert not any("failed" in e or "expected" in e or "ended before" in e for e in out.errors), \
       out.errors
+
+
+def test_writer_sigkill_while_reclaiming(tmp_path):
+  out = reclaim_kill.run(str(tmp_path), trials=5)
+  _clean(out)
+  assert out.trained == out.written
+  assert any("refused: below the watermark" in e for e in out.errors), out.errors
+  assert not any("left behind" in e or "was read" in e for e in out.errors), out.errors
