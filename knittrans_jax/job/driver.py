@@ -205,14 +205,17 @@ class Driver:
 
   def _reclaim_units(self) -> None:
     """The rollout workers are gone: reclaim up to the last watermarks in their place
-    (a unit's writer reclaims between appends, and they made their last)."""
+    (a unit's writer reclaims between appends, and they made their last), and delete
+    the chunk files kept for reuse."""
     if self.store.schema.retention == "all" or not self.reclaim.published:
       return
     for unit in sorted(self.reclaim.published):
       try:
         # Not store.writer: that would register the unit under this host.
-        UnitWriter(self.store.url, unit, self.store.schema, host=self.store.unit_host(unit),
-                   registered=True).reclaim()
+        writer = UnitWriter(self.store.url, unit, self.store.schema,
+                            host=self.store.unit_host(unit), registered=True)
+        writer.reclaim()
+        writer.drop_free_pools()  # nothing appends to it again in this run
       except Exception as e:  # noqa: BLE001  (the run's results stand; say what is left)
         print(f"retention: unit {unit!r} not reclaimed at the end ({e}); its writer "
               "reclaims it when the run is resumed")

@@ -402,3 +402,20 @@ def release(array_dir: str, path: str, recycle: bool) -> bool:
   except FileNotFoundError:
     return False
   return True
+
+
+def drop_pool(array_dir: str) -> int:
+  """Deletes an array's free pool (when its writer will append no more); returns the
+  files deleted."""
+  pool, done = os.path.join(array_dir, FREE_DIR), 0
+  try:
+    names = os.listdir(pool)
+  except FileNotFoundError:
+    return 0
+  for name in names:
+    try:
+      os.unlink(os.path.join(pool, name))
+      done += 1
+    except FileNotFoundError:
+      pass
+  return done

@@ -245,6 +245,12 @@ class Reclaimer:
     self._done()
     return done
 
+  def drop_pools(self) -> int:
+    """Deletes the free pools' files (the writer appends no more); returns how many."""
+    if self._dir is None:
+      return 0
+    return sum(file_chunks.drop_pool(self._dir + name) for name in RECYCLED)
+
   def _done(self) -> None:
     """Every deletion of the last reclamation is done: a reopened writer has none left."""
     now = dataclasses.astuple(self.floors)

@@ -127,6 +127,11 @@ class UnitWriter:
     self._image_index = {iid: k for iid, k in self._image_index.items() if k >= first}
     return done
 
+  def drop_free_pools(self) -> int:
+    """Deletes the chunk files kept for reuse (the writer will append no more: the end
+    of a run); a later writer makes new files. Returns how many."""
+    return self._reclaimer.drop_pools()
+
   @property
   def num_rows(self) -> int:
     return self._commit.rows
