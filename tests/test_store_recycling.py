@@ -42,6 +42,17 @@ def _append(w, gid: int, images: dict):
            images=[image])
 
 
+def _unit_with(tmp_path, checksum: bool, groups: int):
+  """A store at tmp_path/s with unit 'u' holding `groups` groups: (url, unit dir,
+  writer, images by id)."""
+  url = f"file://{tmp_path}/s"
+  store = TrajectoryStore.create(url, dataclasses.replace(SCHEMA, payload_checksum=checksum))
+  w, images = store.writer("u"), {}
+  for gid in range(groups):
+    _append(w, gid, images)
+  return url, tmp_path / "s" / "u", w, images
+
+
 def _check_live(url: str, first_token: int, images: dict) -> int:
   """Every committed row whose tokens lie at or past `first_token` reads back as
   written, its image too; returns how many were read."""
@@ -56,12 +67,7 @@ def _check_live(url: str, first_token: int, images: dict) -> int:
 
 @pytest.mark.parametrize("checksum", [False, True])  # in place / replaced whole
 def test_new_chunks_reuse_released_files_and_live_rows_read_back(tmp_path, checksum):
-  url = f"file://{tmp_path}/s"
-  store = TrajectoryStore.create(url, dataclasses.replace(SCHEMA, payload_checksum=checksum))
-  unit = tmp_path / "s" / "u"
-  w, images = store.writer("u"), {}
-  for gid in range(8):
-    _append(w, gid, images)
+  url, unit, w, images = _unit_with(tmp_path, checksum, 8)
   tokens_before = w.commit.tokens
   assert tokens_before > 4 * 64
   # The chunks of the first two groups (rows 0..7) go to the free pool.
@@ -97,12 +103,7 @@ def test_new_chunks_reuse_released_files_and_live_rows_read_back(tmp_path, check
 @pytest.mark.parametrize("checksum", [False, True])
 def test_an_append_failing_after_it_took_a_free_file_leaves_committed_rows_intact(
     tmp_path, monkeypatch, checksum):
-  url = f"file://{tmp_path}/s"
-  store = TrajectoryStore.create(url, dataclasses.replace(SCHEMA, payload_checksum=checksum))
-  unit = tmp_path / "s" / "u"
-  w, images = store.writer("u"), {}
-  for gid in range(6):
-    _append(w, gid, images)
+  url, unit, w, images = _unit_with(tmp_path, checksum, 6)
   freed = _reclaim(unit, "sequences", 3)
   committed = w.commit
   real_take = file_chunks.FreePool.take

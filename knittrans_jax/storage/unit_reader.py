@@ -53,10 +53,9 @@ class UnitReader:
   def check_rows(self, first: int) -> None:
     """Raises ReclaimedRowError if row `first` (a unit's lowest row asked for) is
     below the low watermark."""
-    if self._retains:
-      w = self.watermark()
-      if first < w:
-        raise ReclaimedRowError(self.unit, first, w)
+    w = self.watermark()
+    if first < w:
+      raise ReclaimedRowError(self.unit, first, w)
 
   def commit(self) -> Commit:
     commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
@@ -125,6 +124,7 @@ class UnitReader:
     have = self._image_base + len(self._image_ids)
     if commit.images <= have:
       return
+    first = self._live_images
     if not self._image_ids and self._retains:
       # A first read: from the reclaimed floor (the row before the first kept image,
       # whose end is that image's start).
@@ -139,7 +139,7 @@ class UnitReader:
       if (rows[:, L.IMG_BYTE_END] < 0).any() or rows[-1, L.IMG_BYTE_END] != commit.image_bytes:
         raise CorruptUnitError(self.unit, "image index disagrees with the commit marker")
     except CorruptUnitError:
-      if self._retains and not self._image_ids and self._records.floors()[0].images > first:
+      if not self._image_ids and self._retains and self._records.floors()[0].images > first:
         self._image_base = 0  # reclaimed while this read ran: from the new floor
         return self.refresh_images(commit)
       raise
