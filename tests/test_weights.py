@@ -1,15 +1,21 @@
 """Weight sync (rollout/weights.py): shards written per process, assembled on the
-worker's host; stale versions of a longer run removed on resume; pruning."""
+worker's host; stale versions of a longer run removed on resume; pruning. Shared
+memory: exact zero-copy round trip, the engine's dtype, release, damage named,
+the fallback to files."""
+import dataclasses
 import os
 
 import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from knittrans_jax.models import DecoderConfig, DecoderLM
-from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber
+from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, write_segment
+from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
+                                           WeightSyncError, wire_template)
 from knittrans_jax.train import MeshConfig, OptimizerConfig, init_train_state, make_mesh, make_optimizer
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)
@@ -25,9 +31,9 @@ def fsdp_params():
   return state.params
 
 
-def template():
+def template(cfg=CFG):
   with nnx.use_eager_sharding(False):
-    return nnx.split(DecoderLM(CFG, nnx.Rngs(1)), nnx.Param)[1]
+    return nnx.split(DecoderLM(cfg, nnx.Rngs(1)), nnx.Param)[1]
 
 
 def test_sharded_parts_assemble_to_the_full_parameters(tmp_path):
@@ -61,3 +67,137 @@ def test_resume_removes_versions_of_the_longer_run_and_pruning_keeps_the_newest(
     again.commit(v)
   assert sorted(os.listdir(tmp_path / "weights")) == ["LATEST", "v00000003", "v00000004"]
   assert WeightSubscriber(str(tmp_path), params).poll()[0] == 4
+
+
+# -- shared memory ('shm'): one segment per version, mapped by every subscriber ----------
+
+
+def shm_publisher(tmp_path, **kw):
+  sync = WeightSyncConfig(transport="shm", shm_dir=str(tmp_path / "shm"))
+  os.makedirs(sync.shm_dir, exist_ok=True)
+  return WeightPublisher(str(tmp_path / "work"), sync=sync, **kw)
+
+
+def segments(tmp_path):
+  return sorted(os.listdir(tmp_path / "shm"))
+
+
+def test_shm_round_trip_is_exact_zero_copy_and_in_the_engine_dtype(tmp_path):
+  params = fsdp_params()  # sharded over the 8 devices: the shards land in one segment
+  pub = shm_publisher(tmp_path)
+  pub.write_part(1, params)
+  pub.commit(1)
+  sub = WeightSubscriber(str(tmp_path / "work"), template())
+  version, got = sub.poll()
+  assert version == 1 and sub.poll() is None
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+    assert not a.flags.owndata  # a view of the mapping, not a copy
+    np.testing.assert_array_equal(a, np.asarray(b))
+  # bf16 on the wire: the cast happens once, in the publisher.
+  bf16 = shm_publisher(tmp_path, dtype="bfloat16")
+  bf16.write_part(2, params)
+  bf16.commit(2)
+  sub = WeightSubscriber(str(tmp_path / "work"), wire_template(template(), "bfloat16"))
+  _, got = sub.poll()
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(a, np.asarray(b.astype(jnp.bfloat16)))
+  # A subscriber expecting float32 is told which leaf and dtype disagree.
+  with pytest.raises(WeightSyncError,
+                     match=r"leaf .*kernel.*: dtype bfloat16, the model's float32"):
+    WeightSubscriber(str(tmp_path / "work"), template()).poll()
+
+
+def test_shm_release_unlinks_older_versions_held_mappings_stay_valid(tmp_path):
+  params = template()
+  pub = shm_publisher(tmp_path, version=0)
+  sub = WeightSubscriber(str(tmp_path / "work"), params)
+  pub.write_part(0, params)
+  pub.commit(0)
+  _, held = sub.poll()  # an engine holding v0
+  shifted = jax.tree.map(lambda x: x + 1, params)
+  for v in (1, 2):
+    pub.write_part(v, shifted)
+    pub.commit(v)
+  assert len(segments(tmp_path)) == 1 and segments(tmp_path)[0].endswith("v00000002-p0")
+  for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(params)):  # unlinked, still mapped
+    np.testing.assert_array_equal(a, np.asarray(b))
+  assert sub.poll()[0] == 2
+  # A trainer killed mid-write leaves a temporary file and its newest version: the next
+  # trainer to start in the work dir unlinks both; one that finishes unlinks its own.
+  open(os.path.join(tmp_path / "shm", segments(tmp_path)[0] + ".tmp123"), "wb").close()
+  again = shm_publisher(tmp_path, version=1)
+  assert segments(tmp_path) == []
+  assert WeightSubscriber(str(tmp_path / "work"), params).poll() is None
+  again.write_part(2, params)
+  again.commit(2)
+  again.close()
+  assert segments(tmp_path) == [] and not (tmp_path / "work" / "weights" / "LATEST").exists()
+
+
+def test_shm_damaged_truncated_missing_and_misshapen_segments_are_named(tmp_path):
+  params = template()
+  pub = shm_publisher(tmp_path)
+  pub.write_part(4, params)
+  pub.commit(4)
+  path = str(tmp_path / "shm" / segments(tmp_path)[0])
+  with open(path, "rb") as f:
+    good = f.read()
+  work = str(tmp_path / "work")
+
+  def poll_with(data):
+    with open(path, "wb") as f:
+      f.write(data)
+    return WeightSubscriber(work, params).poll()
+
+  flipped = bytearray(good)
+  flipped[-100] ^= 1
+  with pytest.raises(SegmentError, match=r"data crc32c 0x\w+, stored 0x\w+ \(damaged\)"):
+    poll_with(bytes(flipped))
+  with pytest.raises(SegmentError, match=f"truncated: {len(good) - 7} bytes, its header says "
+                     f"{len(good)}"):
+    poll_with(good[:-7])
+  with pytest.raises(SegmentError, match="magic"):
+    poll_with(b"x" * len(good))
+  os.unlink(path)
+  with pytest.raises(WeightSyncError, match=r"weights v4: segment .*v00000004-p0.* is not there"):
+    WeightSubscriber(work, params).poll()
+  pub.write_part(5, params)
+  pub.commit(5)
+  wider = template(dataclasses.replace(CFG, width=16))
+  with pytest.raises(WeightSyncError, match=r"leaf .*: a piece of shape \(\d+, 32\) .* does not "
+                     r"fit the model's shape \(\d+, 16\)"):
+    WeightSubscriber(work, wider).poll()
+
+
+def test_shm_parts_of_several_processes_assemble(tmp_path):
+  x = np.arange(24, dtype=np.float32).reshape(6, 4)
+  pub = shm_publisher(tmp_path)
+  for p, rows in enumerate([(0, 4), (4, 6)]):  # two processes' shards of one leaf
+    piece = x[rows[0]:rows[1]]
+    write_segment(pub._segment(7, p), 7, p, [PieceOut(
+        0, "['w']", (rows, (0, 4)), piece.dtype, piece.shape,
+        lambda dst, piece=piece: dst.__setitem__(..., piece))])
+  with pytest.raises(RuntimeError, match=r"parts \[2\] of 3 are missing"):
+    pub.commit(7, parts=3)
+  pub.commit(7, parts=2)
+  _, got = WeightSubscriber(str(tmp_path / "work"), {"w": x}).poll()
+  np.testing.assert_array_equal(got["w"], x)
+
+
+def test_transport_auto_falls_back_to_files_where_shared_memory_cannot_serve(tmp_path):
+  auto = WeightSyncConfig(shm_dir=str(tmp_path))
+  assert auto.resolve("local").transport == "shm"
+  assert auto.resolve("ray").transport == "files"  # workers may be on other hosts
+  gone = WeightSyncConfig(shm_dir=str(tmp_path / "no_shm"))
+  assert gone.resolve("local").transport == "files"
+  with pytest.raises(ValueError, match="transport = 'shm' with JobConfig.cluster = 'ray'"):
+    WeightSyncConfig(transport="shm").resolve("ray")
+  with pytest.raises(ValueError, match=r"WeightSyncConfig.transport = 'nfs'"):
+    WeightSyncConfig(transport="nfs")
+  # 'files' publishes as before, and a subscriber reads either transport.
+  pub = WeightPublisher(str(tmp_path / "work"), sync=gone.resolve("local"))
+  pub.write_part(0, template())
+  pub.commit(0)
+  assert sorted(os.listdir(tmp_path / "work" / "weights")) == ["LATEST", "v00000000"]
+  assert WeightSubscriber(str(tmp_path / "work"), template()).poll()[0] == 0

@@ -1,21 +1,96 @@
-"""Weight sync through the work dir: the trainers publish, workers pick up the newest.
+"""Weight sync: the trainers publish each version, rollout workers pick up the newest.
 
-Version v lives in `weights/v{v:08d}/`: each trainer process writes `part{p}.npz`
-with the parameter shards its devices hold (replica 0 of each shard only, so every
-element is written once across processes, and nothing is gathered or replicated on
-the devices to publish). When every part is in place, process 0 replaces
-`weights/LATEST`; each file is written under a temporary name and renamed, so a
-reader never sees a partial one. A subscriber assembles the full arrays on its
-host from the parts. Versions beyond `keep` are removed.
+Transports (`WeightSyncConfig.transport`):
+  'shm'    each trainer process writes its part of version v once into a shared-memory
+           segment (rollout/weight_segment.py) in `shm_dir` (/dev/shm); every worker on
+           the host maps it: no file read, no unpickling, and on CPU the engine's arrays
+           alias the mapping (device_put copies nothing), so the host holds one copy
+           of a version however many engines use it.
+  'files'  each trainer process writes `weights/v{v:08d}/part{p}.npz` in the work dir
+           and each worker reads and assembles the parts. The fallback for what shared
+           memory cannot serve: trainers and workers on different hosts (a Ray
+           cluster: its actors may be anywhere, and the work dir is the one place all
+           hosts reach) and hosts without a writable /dev/shm.
+  'auto'   (default) 'shm' for a local run (JobConfig.cluster = 'local') when `shm_dir`
+           is a writable directory, else 'files'.
+Each part holds this process's shards (replica 0 of each, so every element is written
+once across processes), or each whole leaf when the process holds all of it. Leaves are
+published in the engine's dtype (`dtype` = 'engine': DecoderConfig.dtype, e.g.
+bfloat16, half the bytes of float32 master weights; 'param': as trained).
+
+When every part is in place, process 0 replaces `weights/LATEST` (the version; for 'shm'
+also the segments' paths as JSON); files and segments are written under a temporary
+name and renamed, so a reader never sees a partial one.
+
+Release, 'files': versions beyond `keep` are removed. 'shm': committing version v
+unlinks every older segment. An engine still mapping an older version keeps its pages
+(tmpfs frees a file's memory when its last mapping goes): a version's memory is freed
+exactly when it has a newer one and no engine holds it, and a worker killed by SIGKILL
+drops its mappings with its process. A reader that read LATEST just before a commit
+finds its segment gone and LATEST moved on: it takes the newer version at its next
+poll. Names are `knittrans-<hash of the work dir>-v{v:08d}-p{p}`: what a killed trainer
+leaves (the newest version) is unlinked by the next trainer to start in that work dir
+(resume, or a new run), and a trainer that finishes or aborts unlinks its own.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
 import shutil
 
+import gin
 import jax
+import jax.numpy as jnp
 import numpy as np
+
+from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, read_segment, write_segment
+
+TRANSPORTS = ("auto", "shm", "files")
+DTYPES = ("engine", "param")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class WeightSyncConfig:
+  """How weights reach the rollout workers (module docstring). `verify`: subscribers
+  check each segment's data crc32c (one pass over its bytes per worker and version)."""
+  transport: str = "auto"
+  dtype: str = "engine"
+  shm_dir: str = "/dev/shm"
+  verify: bool = True
+
+  def __post_init__(self):
+    for name, allowed in (("transport", TRANSPORTS), ("dtype", DTYPES)):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"WeightSyncConfig.{name} = {getattr(self, name)!r}: one of {allowed}")
+
+  def resolve(self, cluster: str) -> WeightSyncConfig:
+    """This config with 'auto' decided for a run on `cluster` (JobConfig.cluster)."""
+    if self.transport == "shm" and cluster != "local":
+      raise ValueError(f"WeightSyncConfig.transport = 'shm' with JobConfig.cluster = "
+                       f"{cluster!r}: trainer actors and rollout workers may be on different "
+                       "hosts; use 'files' (or 'auto')")
+    if self.transport != "auto":
+      return self
+    shm = cluster == "local" and os.path.isdir(self.shm_dir) and os.access(self.shm_dir, os.W_OK)
+    return dataclasses.replace(self, transport="shm" if shm else "files")
+
+  def wire_dtype(self, model_config) -> str | None:
+    """The dtype floating leaves are published in; None: as the trainer holds them."""
+    return model_config.dtype if self.dtype == "engine" else None
+
+
+def wire_template(template, dtype: str | None):
+  """`template`'s leaves as ShapeDtypeStructs, floating ones in `dtype` (what a
+  subscriber receives from a publisher casting to it)."""
+  def spec(x):
+    dt = jnp.dtype(x.dtype)
+    if dtype is not None and jnp.issubdtype(dt, jnp.floating):
+      dt = jnp.dtype(dtype)
+    return jax.ShapeDtypeStruct(np.shape(x), dt)
+  return jax.tree.map(spec, template)
 
 
 def _version_dir(root: str, version: int) -> str:
@@ -26,35 +101,97 @@ def _versions(root: str) -> list[int]:
   return sorted(int(d[1:]) for d in os.listdir(root) if d.startswith("v") and d[1:].isdigit())
 
 
+def _segment_prefix(weights_dir: str, shm_dir: str) -> str:
+  tag = hashlib.sha1(os.path.realpath(weights_dir).encode()).hexdigest()[:12]
+  return os.path.join(shm_dir, f"knittrans-{tag}-")
+
+
+def _read_latest(root: str) -> tuple[int, list[str] | None]:
+  """(version, segment paths or None for 'files'); (-1, None) before any publish."""
+  try:
+    with open(os.path.join(root, "LATEST")) as f:
+      text = f.read().strip()
+  except FileNotFoundError:
+    return -1, None
+  if text.startswith("{"):
+    d = json.loads(text)
+    return int(d["version"]), list(d["segments"])
+  return int(text or -1), None
+
+
+def _write_latest(root: str, text: str) -> None:
+  tmp = os.path.join(root, "LATEST.tmp")
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, os.path.join(root, "LATEST"))
+
+
+def _pieces(params):
+  """(leaf id, name, box, host array) for this process's replica-0 shards of each leaf:
+  one piece per leaf the process holds whole (its shards gathered on the host)."""
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
+  for leaf_id, (path, leaf) in enumerate(flat):
+    name, shape = jax.tree_util.keystr(path), np.shape(leaf)
+    if not isinstance(leaf, jax.Array):  # a host array: all of it
+      yield leaf_id, name, tuple((0, d) for d in shape), [((...,), leaf)]
+      continue
+    shards = [s for s in leaf.addressable_shards if s.replica_id == 0]
+    if leaf.is_fully_addressable:
+      yield leaf_id, name, tuple((0, d) for d in shape), [(s.index, s.data) for s in shards]
+      continue
+    for s in shards:
+      box = tuple((sl.start or 0, d if sl.stop is None else sl.stop)
+                  for sl, d in zip(s.index, shape))
+      yield leaf_id, name, box, [((...,), s.data)]
+
+
 class WeightPublisher:
   """`version`: the trainer's version at start. Process 0 removes versions above it,
   left by a run that went further before it stopped (resume starts from its last
-  checkpoint): the next publish must not be pruned as the oldest."""
+  checkpoint): the next publish must not be pruned as the oldest; with 'shm' it
+  unlinks every segment a killed trainer of this work dir left. `sync`: a resolved
+  WeightSyncConfig (None: 'files', leaves as held); `dtype`: the dtype floating leaves
+  are published in (WeightSyncConfig.wire_dtype; None: as held)."""
 
-  def __init__(self, workdir: str, keep: int = 3, process: int = 0, version: int | None = None):
+  def __init__(self, workdir: str, keep: int = 3, process: int = 0, version: int | None = None,
+               sync: WeightSyncConfig | None = None, dtype: str | None = None):
     self.dir = os.path.join(workdir, "weights")
     os.makedirs(self.dir, exist_ok=True)
-    self.keep, self.process = keep, process
+    self.keep, self.process, self.dtype = keep, process, dtype
+    self.shm = sync is not None and sync.transport == "shm"
+    if sync is not None and sync.transport == "auto":
+      raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
+    self.prefix = _segment_prefix(self.dir, sync.shm_dir) if self.shm else None
     if process == 0 and version is not None:
       for v in _versions(self.dir):
         if v > version:
           shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
+      if self.shm:
+        self.close()
+
+  def _segment(self, version: int, part: int) -> str:
+    return f"{self.prefix}v{version:08d}-p{part}"
+
+  def _cast(self, leaf):
+    if self.dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
+      return leaf
+    return leaf.astype(self.dtype)  # on the devices: half the bytes cross to the host for bf16
 
   def write_part(self, version: int, params) -> str:
     """This process's shards of `params` (device arrays) at `version`."""
+    params = jax.tree.map(self._cast, params)
+    if self.shm:
+      return self._write_segment(version, params)
     index, arrays = [], {}
-    for leaf_id, leaf in enumerate(jax.tree.leaves(params)):
-      shape = np.shape(leaf)
-      shards = ([s for s in leaf.addressable_shards if s.replica_id == 0]
-                if isinstance(leaf, jax.Array) else None)
-      if shards is None:  # a host array: all of it
-        pieces = [(tuple((0, d) for d in shape), np.asarray(leaf))]
+    for leaf_id, _, box, slabs in _pieces(params):
+      if len(slabs) == 1:
+        data = np.asarray(slabs[0][1])
       else:
-        pieces = [(tuple((sl.start or 0, d if sl.stop is None else sl.stop)
-                         for sl, d in zip(s.index, shape)), np.asarray(s.data)) for s in shards]
-      for box, data in pieces:
-        arrays[f"a{len(index)}"] = data
-        index.append([leaf_id, [list(b) for b in box]])
+        data = np.empty([b - a for a, b in box], slabs[0][1].dtype)
+        for where, slab in slabs:
+          data[where] = np.asarray(slab)
+      arrays[f"a{len(index)}"] = data
+      index.append([leaf_id, [list(b) for b in box]])
     folder = _version_dir(self.dir, version)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"part{self.process}.npz")
@@ -63,42 +200,150 @@ class WeightPublisher:
     os.replace(tmp, path)
     return path
 
+  def _write_segment(self, version: int, params) -> str:
+    pieces = []
+    for leaf_id, name, box, slabs in _pieces(params):
+      def fill(dst, slabs=slabs):
+        for where, slab in slabs:
+          dst[where] = np.asarray(slab)  # the device-to-host copy lands in the segment
+      pieces.append(PieceOut(leaf_id, name, box, np.dtype(slabs[0][1].dtype),
+                             tuple(b - a for a, b in box), fill))
+    path = self._segment(version, self.process)
+    write_segment(path, version, self.process, pieces)
+    return path
+
   def commit(self, version: int, parts: int = 1) -> None:
     """(process 0) Every part of `version` is written: make it the latest."""
+    if self.shm:
+      paths = [self._segment(version, p) for p in range(parts)]
+      missing = [p for p, path in enumerate(paths) if not os.path.exists(path)]
+      if missing:
+        raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are missing "
+                           f"({paths[missing[0]]})")
+      _write_latest(self.dir, json.dumps({"version": version, "segments": paths}))
+      self._unlink(lambda v: v < version)
+      return
     folder = _version_dir(self.dir, version)
     missing = [p for p in range(parts) if not os.path.exists(os.path.join(folder, f"part{p}.npz"))]
     if missing:
       raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are missing in {folder}")
-    tmp = os.path.join(self.dir, "LATEST.tmp")
-    with open(tmp, "w") as f:
-      f.write(str(version))
-    os.replace(tmp, os.path.join(self.dir, "LATEST"))
+    _write_latest(self.dir, str(version))
     older = [v for v in _versions(self.dir) if v <= version]
     for v in older[:-self.keep]:
       shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
 
+  def _unlink(self, which) -> None:
+    folder, stem = os.path.split(self.prefix)
+    for name in os.listdir(folder):
+      if not name.startswith(stem):
+        continue
+      try:
+        v = int(name[len(stem):].split("-")[0][1:])
+      except ValueError:
+        v = None  # a temporary file of a killed writer
+      if v is None or which(v):
+        try:
+          os.unlink(os.path.join(folder, name))
+        except FileNotFoundError:  # another process was first
+          pass
+
+  def close(self) -> None:
+    """'shm' (process 0): unlinks LATEST and every segment of this work dir (engines that
+    map one keep it until they let go). A no-op for 'files'."""
+    if not self.shm or self.process != 0:
+      return
+    if _read_latest(self.dir)[1] is not None:
+      try:
+        os.unlink(os.path.join(self.dir, "LATEST"))
+      except FileNotFoundError:
+        pass
+    self._unlink(lambda v: True)
+
+
+class WeightSyncError(RuntimeError):
+  """Published weights that cannot be loaded into the model (the message names why)."""
+
 
 class WeightSubscriber:
-  """Loads the newest published version into a params tree shaped like `template`."""
+  """Loads the newest published version (either transport) into a params tree shaped
+  like `template` (give wire_template(template, dtype) when the publisher casts).
+  Segment leaves are zero-copy views of the mapping where a segment holds the whole
+  leaf; `verify`: check each segment's data crc32c."""
 
-  def __init__(self, workdir: str, template):
+  def __init__(self, workdir: str, template, verify: bool = True):
     self.dir = os.path.join(workdir, "weights")
-    self.treedef = jax.tree.structure(template)
-    self.specs = [(np.shape(x), np.dtype(x.dtype)) for x in jax.tree.leaves(template)]
+    flat, self.treedef = jax.tree_util.tree_flatten_with_path(template)
+    self.names = [jax.tree_util.keystr(p) for p, _ in flat]
+    self.specs = [(tuple(np.shape(x)), np.dtype(x.dtype)) for _, x in flat]
+    self.verify = verify
     self.version = -1
 
   def latest_version(self) -> int:
-    try:
-      with open(os.path.join(self.dir, "LATEST")) as f:
-        return int(f.read().strip() or -1)
-    except FileNotFoundError:
-      return -1
+    return _read_latest(self.dir)[0]
 
   def poll(self):
     """(version, params) if a newer version exists, else None."""
-    v = self.latest_version()
+    v, segments = _read_latest(self.dir)
     if v <= self.version:
       return None
+    leaves = self._from_segments(v, segments) if segments is not None else self._from_files(v)
+    if leaves is None:
+      return None
+    self.version = v
+    return v, jax.tree.unflatten(self.treedef, leaves)
+
+  def _from_segments(self, v: int, paths: list[str]):
+    try:
+      read = [(path, *read_segment(path, self.verify)) for path in paths]
+    except FileNotFoundError as e:
+      if self.latest_version() != v:
+        return None  # released by a newer commit while this one was read
+      raise WeightSyncError(
+          f"weights v{v}: segment {e.filename}, named by {self.dir}/LATEST, is not there: is "
+          "this worker on another host than the trainer (WeightSyncConfig.transport = "
+          "'files' serves that), or was the host's /dev/shm cleared?") from None
+    leaves: list = [None] * len(self.specs)
+    filled = [0] * len(self.specs)
+    for path, head, pieces in read:
+      if head["version"] != v:
+        raise SegmentError(f"weight segment {path}: version {head['version']}, LATEST says {v}")
+      for p in pieces:
+        shape, dtype = self._check(v, path, p.leaf, p.name, p.box, p.data)
+        if p.data.shape == shape:
+          leaves[p.leaf] = p.data  # the whole leaf: a view of the mapping, no copy
+        else:
+          if leaves[p.leaf] is None:
+            leaves[p.leaf] = np.empty(shape, dtype)
+          leaves[p.leaf][tuple(slice(a, b) for a, b in p.box)] = p.data
+        filled[p.leaf] += p.data.size
+    self._check_covered(v, leaves, filled, paths[0])
+    return leaves
+
+  def _check(self, v: int, path: str, leaf: int, name: str, box, data):
+    where = f"weights v{v} ({path})"
+    if not 0 <= leaf < len(self.specs):
+      raise WeightSyncError(f"{where}: leaf index {leaf} ({name}), the model has "
+                            f"{len(self.specs)} leaves")
+    shape, dtype = self.specs[leaf]
+    if name != self.names[leaf]:
+      raise WeightSyncError(f"{where}: leaf {leaf} is {name}, the model's is {self.names[leaf]}")
+    if data.dtype != dtype:
+      raise WeightSyncError(f"{where}: leaf {name}: dtype {data.dtype}, the model's {dtype} "
+                            "(WeightSyncConfig.dtype must agree on both sides)")
+    if len(box) != len(shape) or any(not 0 <= a <= b <= d for (a, b), d in zip(box, shape)) \
+        or tuple(b - a for a, b in box) != data.shape:
+      raise WeightSyncError(f"{where}: leaf {name}: a piece of shape {data.shape} at "
+                            f"{[list(b) for b in box]} does not fit the model's shape {shape}")
+    return shape, dtype
+
+  def _check_covered(self, v: int, leaves, filled, where: str) -> None:
+    short = [self.names[k] for k, (s, _) in enumerate(self.specs)
+             if filled[k] != int(np.prod(s, dtype=np.int64))]
+    if short:
+      raise WeightSyncError(f"weights v{v}: leaves {short[:5]} are not fully covered by the "
+                            f"parts at {where}")
+
+  def _from_files(self, v: int):
     folder = _version_dir(self.dir, v)
     leaves = [np.empty(shape, dtype) for shape, dtype in self.specs]
     filled = [0] * len(leaves)
@@ -113,11 +358,10 @@ class WeightSubscriber:
             filled[leaf_id] += piece.size
     except FileNotFoundError:  # already pruned: a newer one is coming
       return None
-    short = [k for k, leaf in enumerate(leaves) if filled[k] != leaf.size]
-    if short and self.latest_version() != v:
-      return None  # pruned while it was read: a newer one is there
-    if short:
-      raise RuntimeError(f"weights v{v}: leaves {short[:5]} are not fully covered by the "
-                         f"parts in {folder}")
-    self.version = v
-    return v, jax.tree.unflatten(self.treedef, leaves)
+    try:
+      self._check_covered(v, leaves, filled, folder)
+    except WeightSyncError:
+      if self.latest_version() != v:
+        return None  # pruned while it was read: a newer one is there
+      raise
+    return leaves

@@ -1,0 +1,149 @@
+"""One shared-memory segment of published weights: a file on a tmpfs (/dev/shm) that a
+trainer process writes once and every rollout worker on the host maps.
+
+Layout (little-endian):
+  bytes 0-7     magic b"KTWSEG01"
+  bytes 8-15    header length H (uint64)
+  bytes 16-19   crc32c of the header's H bytes (uint32)
+  bytes 64..    the header: JSON {version, part, data_offset, data_bytes, data_crc32c,
+                pieces: [{leaf, name, box, dtype, shape, offset}]}
+  data_offset.. the pieces' raw bytes, each C-ordered at a 64-byte aligned offset
+                (relative to data_offset, a multiple of 4096), zeros between them.
+A piece is a box of one leaf (the whole leaf when the writer held all of it). The
+writer fills a temporary file and renames it, so the final name never holds a partial
+segment; a reader still checks the size, both checksums and every piece's bounds, so a
+damaged or truncated file is an error naming the file and the field, never wrong weights.
+Readers map the file copy-on-write: pieces are numpy views of the page cache (no read,
+no unpickling), and a stray write stays private to the process that made it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import os
+import struct
+from typing import Callable
+
+import google_crc32c
+import jax.numpy as jnp
+import numpy as np
+
+MAGIC = b"KTWSEG01"
+_PREFIX = struct.Struct("<8sQI")
+HEADER_AT = 64
+ALIGN = 64  # XLA's CPU client aliases host buffers at this alignment (no copy on device_put)
+PAGE = 4096
+
+
+class SegmentError(ValueError):
+  """A segment that cannot be read as published weights (the message names why)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  leaf: int  # the leaf's index in the params tree's leaves
+  name: str  # the leaf's tree path (jax.tree_util.keystr)
+  box: tuple[tuple[int, int], ...]  # [start, stop) per dimension of the full leaf
+  data: np.ndarray  # a view of the segment
+
+
+def _round(n: int, to: int) -> int:
+  return -(-n // to) * to
+
+
+def _crc(view) -> int:
+  frozen = np.frombuffer(view, np.uint8)
+  frozen.flags.writeable = False  # what google_crc32c takes without a copy
+  return google_crc32c.value(frozen) if frozen.size else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PieceOut:
+  """A piece to write: `fill(dst)` writes its values into `dst`, a C-ordered view of
+  the segment with `dtype` and `shape`."""
+  leaf: int
+  name: str
+  box: tuple[tuple[int, int], ...]
+  dtype: np.dtype
+  shape: tuple[int, ...]
+  fill: Callable[[np.ndarray], None]
+
+
+def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) -> int:
+  """Writes `pieces` to `path` (through a temporary name); returns the bytes written."""
+  entries, offset = [], 0
+  for p in pieces:
+    nbytes = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
+    entries.append({"leaf": p.leaf, "name": p.name, "box": [list(b) for b in p.box],
+                    "dtype": np.dtype(p.dtype).name, "shape": list(p.shape),
+                    "offset": offset})
+    offset = _round(offset + nbytes, ALIGN)
+  data_bytes = offset
+  head = {"version": version, "part": part, "data_bytes": data_bytes, "pieces": entries}
+  # The data starts after the header; the header's length does not depend on the crc's
+  # digits once it is padded to a page.
+  data_offset = _round(HEADER_AT + len(json.dumps({**head, "data_offset": 0,
+                                                   "data_crc32c": 2**32 - 1})) + 32, PAGE)
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "w+b") as f:
+    f.truncate(data_offset + data_bytes)
+    mm = mmap.mmap(f.fileno(), data_offset + data_bytes)
+  try:
+    for e, p in zip(entries, pieces):
+      dst = np.frombuffer(mm, np.dtype(jnp.dtype(e["dtype"])), int(np.prod(e["shape"])),
+                          data_offset + e["offset"]).reshape(e["shape"])
+      p.fill(dst)
+      del dst  # mm closes only once no view of it is left
+    data = memoryview(mm)[data_offset:]
+    head.update(data_offset=data_offset, data_crc32c=_crc(data))
+    data.release()
+    text = json.dumps(head).encode()
+    mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, len(text), _crc(text))
+    mm[HEADER_AT:HEADER_AT + len(text)] = text
+  finally:
+    mm.close()
+  os.replace(tmp, path)  # whole, or not there
+  return data_offset + data_bytes
+
+
+def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
+  """(header, pieces as views of the mapped file); FileNotFoundError if `path` is not
+  there, SegmentError if it is not a whole, undamaged segment. `verify`: check the
+  data's crc32c too (one pass over the bytes)."""
+  with open(path, "rb") as f:
+    size = os.fstat(f.fileno()).st_size
+    if size < HEADER_AT:
+      raise SegmentError(f"weight segment {path}: truncated: {size} bytes, less than the "
+                         f"{HEADER_AT}-byte prefix")
+    mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+  magic, length, crc = _PREFIX.unpack_from(mm, 0)
+  if magic != MAGIC:
+    raise SegmentError(f"weight segment {path}: magic {magic!r}, expected {MAGIC!r}")
+  if HEADER_AT + length > size:
+    raise SegmentError(f"weight segment {path}: truncated: {size} bytes, the header alone "
+                       f"ends at {HEADER_AT + length}")
+  text = mm[HEADER_AT:HEADER_AT + length]
+  if _crc(text) != crc:
+    raise SegmentError(f"weight segment {path}: header crc32c {_crc(text):#010x}, stored "
+                       f"{crc:#010x} (damaged)")
+  head = json.loads(text)
+  end = head["data_offset"] + head["data_bytes"]
+  if size != end:
+    raise SegmentError(f"weight segment {path}: truncated: {size} bytes, its header says {end}")
+  if verify:
+    data = memoryview(mm)[head["data_offset"]:]
+    got = _crc(data)
+    data.release()
+    if got != head["data_crc32c"]:
+      raise SegmentError(f"weight segment {path}: data crc32c {got:#010x}, stored "
+                         f"{head['data_crc32c']:#010x} (damaged)")
+  pieces = []
+  for e in head["pieces"]:
+    dtype, shape = np.dtype(jnp.dtype(e["dtype"])), tuple(e["shape"])
+    count = int(np.prod(shape, dtype=np.int64))
+    if e["offset"] + count * dtype.itemsize > head["data_bytes"]:
+      raise SegmentError(f"weight segment {path}: piece {e['name']} ends past the data")
+    data = np.frombuffer(mm, dtype, count, head["data_offset"] + e["offset"]).reshape(shape)
+    pieces.append(Piece(e["leaf"], e["name"], tuple(tuple(b) for b in e["box"]), data))
+  return head, pieces
