@@ -64,4 +64,4 @@ def write_commit(array: ts.TensorStore, commit: Commit, local_dir: str | None = 
     array.write(commit.to_array()).result()
   else:
     file_chunks.replace(file_chunks.chunk_path(local_dir + "commit", 0, 1), commit.to_array(),
-                        checksum=True)
+                        checksum=True, exchange=file_chunks.exchange_in(local_dir))

@@ -188,11 +188,13 @@ def _crc32c(parts: list) -> bytes:
   return crc.to_bytes(4, "little")
 
 
-def replace(path: str, data, checksum: bool, pool: FreePool | None = None) -> None:
+def replace(path: str, data, checksum: bool, pool: FreePool | None = None,
+            exchange: bool = True) -> None:
   """Writes a whole chunk file (a C-contiguous array's bytes, or a list of buffers in
   file order; then their crc32c if `checksum`) atomically: to a temporary file, then
   put in the chunk's place. With `pool`, the temporary file is a free file of the
-  array when there is one (written over in place, its pages reused), else a new one."""
+  array when there is one (written over in place, its pages reused), else a new one.
+  `exchange=False` (where `no_writeback`): a plain rename puts it there."""
   tmp = path + ".__knittrans_tmp"
   parts = _parts_of(data)
   if checksum:
@@ -215,7 +217,10 @@ def replace(path: str, data, checksum: bool, pool: FreePool | None = None) -> No
         os.ftruncate(fd, want)
     finally:
       os.close(fd)
-    _rename_over(tmp, path)
+    if exchange:
+      _rename_over(tmp, path)
+    else:
+      os.rename(tmp, path)
   except BaseException:
     try:  # a partial file must not hold space (a full disk) after the failure
       os.unlink(tmp)
@@ -250,22 +255,44 @@ def _rename_over(tmp: str, path: str) -> None:
 _LOCAL_FILE_SYSTEMS = {"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "f2fs", "zfs", "overlay"}
 
 
-def local_file_system(path: str) -> bool:
-  """Whether `path` lies on a local file system (by /proc/mounts), where a file
-  written in place is seen at once by every process. A network file system (NFS)
-  may serve another host its cached pages of a file changed in place; a file put in
-  place under a new inode is revalidated when opened."""
+def _file_system(path: str) -> str:
+  """The type of the file system `path` lies on, by /proc/mounts ('' if unknown)."""
   try:
     with open("/proc/mounts") as f:
       mounts = [line.split()[1:3] for line in f]
   except OSError:
-    return False
+    return ""
   path, best = os.path.realpath(path), ("", "")
   for point, fstype in mounts:
     point = point.replace("\\040", " ")
     if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best[0]):
       best = (point, fstype)
-  return best[1] in _LOCAL_FILE_SYSTEMS
+  return best[1]
+
+
+def local_file_system(path: str) -> bool:
+  """Whether `path` lies on a local file system (by /proc/mounts), where a file
+  written in place is seen at once by every process. A network file system (NFS)
+  may serve another host its cached pages of a file changed in place; a file put in
+  place under a new inode is revalidated when opened."""
+  return _file_system(path) in _LOCAL_FILE_SYSTEMS
+
+
+def no_writeback(path: str) -> bool:
+  """Whether `path` lies on tmpfs, which never writes a page back: a chunk file is
+  replaced there by one plain rename (the exchange, two calls, is for ext4)."""
+  return _file_system(path) == "tmpfs"
+
+
+_EXCHANGE: dict[str, bool] = {}  # directory -> replace(..., exchange=)
+
+
+def exchange_in(directory: str) -> bool:
+  """`replace`'s `exchange` for chunk files under `directory` (asked once per directory)."""
+  got = _EXCHANGE.get(directory)
+  if got is None:
+    got = _EXCHANGE[directory] = not no_writeback(directory)
+  return got
 
 
 def update(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]]) -> bool:

@@ -4,9 +4,11 @@ Everything is validated up front so that a bad trajectory anywhere in a call mea
 nothing of the call is written.
 
 Two passes, one answer. `_pack_fast` takes calls of the usual types (int32 tokens,
-float32 log-probs, bool or uint8 masks, plain ints and floats) with one loop of
-exact type and shape checks per trajectory and the value checks (token range,
-finite log-probs and rewards, mask values) once over the packed call; anything else,
+float32 log-probs, bool or uint8 masks, plain ints and floats) with exact type and
+shape checks made field by field over the whole call (a set of the types of every
+trajectory's field, min and max of its ints: a few C-level passes, not a Python loop
+of checks per trajectory) and the value checks (token range, finite log-probs and
+rewards, mask values) once over the packed call; anything else,
 or anything bad, goes to `_pack`, which checks field by field and raises the error
 naming the first bad field and its value. So the fast pass never decides an error
 message, only whether the call is fine as it is.
@@ -40,20 +42,41 @@ class PackedAppend:
   tokens: np.ndarray  # int32 [T], sequences back to back
   logprobs: np.ndarray  # float32 [T]
   loss_mask: np.ndarray  # uint8 [T]
-  prompt_len: np.ndarray  # int64 [k]
-  response_len: np.ndarray
-  source: np.ndarray
-  group_id: np.ndarray
-  index_in_group: np.ndarray
-  version_first: np.ndarray
-  version_last: np.ndarray
-  loss_tokens: np.ndarray  # response tokens with loss mask 1, per row
+  # int64 [ROW_COLS, k]: the `rows` columns, by their layout index, so that the
+  # writer fills in the three end offsets (TOK_END, REF_END, TURN_END: they continue
+  # the unit's) and writes the transpose, with no column copied one by one.
+  cols: np.ndarray
   reward: np.ndarray  # float64 [k]
   image_ids: list[tuple[str, ...]]
   turns: np.ndarray  # int64 [turns, TURN_COLS], every row's turns back to back
   turn_count: np.ndarray  # int64 [k]
-  gen_us: np.ndarray  # int64 [k], microseconds generating
-  env_us: np.ndarray  # int64 [k], microseconds in the environment
+
+  # The columns by name (views of `cols`); loss_tokens: response tokens with loss
+  # mask 1; gen_us / env_us: microseconds generating and in the environment.
+  prompt_len = property(lambda self: self.cols[L.PROMPT_LEN])
+  response_len = property(lambda self: self.cols[L.RESPONSE_LEN])
+  source = property(lambda self: self.cols[L.SOURCE])
+  group_id = property(lambda self: self.cols[L.GROUP_ID])
+  index_in_group = property(lambda self: self.cols[L.INDEX_IN_GROUP])
+  version_first = property(lambda self: self.cols[L.V_FIRST])
+  version_last = property(lambda self: self.cols[L.V_LAST])
+  loss_tokens = property(lambda self: self.cols[L.LOSS_TOKENS])
+  gen_us = property(lambda self: self.cols[L.GEN_US])
+  env_us = property(lambda self: self.cols[L.ENV_US])
+
+
+def _row_cols(k: int, **named) -> np.ndarray:
+  """PackedAppend.cols from columns by name (each k values); the writer's columns zero."""
+  cols = np.zeros((L.ROW_COLS, k), np.int64)
+  for name, values in named.items():
+    cols[_COL_INDEX[name]] = values
+  return cols
+
+
+_COL_INDEX = {"prompt_len": L.PROMPT_LEN, "response_len": L.RESPONSE_LEN, "source": L.SOURCE,
+              "group_id": L.GROUP_ID, "index_in_group": L.INDEX_IN_GROUP,
+              "version_first": L.V_FIRST, "version_last": L.V_LAST,
+              "loss_tokens": L.LOSS_TOKENS, "gen_us": L.GEN_US, "env_us": L.ENV_US}
 
 
 def _token_array(value, field: str, i: int, gid, max_len: int, values: bool) -> np.ndarray:
@@ -128,80 +151,113 @@ def _is_real(value) -> bool:
   """A real number as `_seconds` and the reward check take it (bools are not); the
   finite and range checks are the caller's."""
   return type(value) is not bool and isinstance(value, _REALS)
-_MASKS = (np.dtype(bool), np.dtype(np.uint8))
+
+
+def _ints(values) -> bool:
+  """Every value an int in [0, 2**63): plain ints by one set of types and their min
+  and max; anything else value by value."""
+  if set(map(type, values)) == _INT_TYPE:
+    return min(values) >= 0 and max(values) <= _INT64_MAX
+  return all(map(_is_int, values))
+
+
+def _reals(values) -> bool:
+  return set(map(type, values)) <= _PLAIN_REALS or all(map(_is_real, values))
+
+
+_INT_TYPE, _PLAIN_REALS, _ND = {int}, {float, int}, {np.ndarray}
+_SEQUENCES, _STR, _TUPLE = {tuple, list}, {str}, {tuple}
 _I32, _F32 = np.dtype(np.int32), np.dtype(np.float32)
+_I32S, _F32S, _BOOLS = {_I32}, {_F32}, {np.dtype(bool)}
+_MASKS = _BOOLS | {np.dtype(np.uint8)}
+_DTYPE, _NDIM = operator.attrgetter("dtype"), operator.attrgetter("ndim")
+_SIZE, _SHAPE = operator.attrgetter("size"), operator.attrgetter("shape")
+_MAX_US_SECONDS = 9.2e12  # seconds whose microseconds still fit an int64 (2**63 / 1e6)
+_ZEROS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # max_prompt_len -> prompt pads
 
 
 _FIELDS = operator.attrgetter(
     "prompt_tokens", "response_tokens", "logprobs", "loss_mask", "group_id", "index_in_group",
     "reward", "versions", "source", "image_ids", "turns", "gen_seconds", "env_seconds")
-# PackedAppend's int64 columns, in the order _pack_fast collects them per row.
-_FAST_COLS = ("prompt_len", "response_len", "source", "group_id", "index_in_group",
-              "version_first", "version_last", "loss_tokens", "turn_count", "gen_us", "env_us")
 
 
 def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
                known_images: Collection[str]) -> PackedAppend | None:
   """The call packed, if every trajectory has the usual types and passes every check;
   None otherwise (`_pack` then finds the first bad field, or packs what this pass
-  does not take). One tuple of ints per row, made into the columns at once."""
-  sources = {s: i for i, s in enumerate(schema.sources)}
-  max_p, max_r = schema.max_prompt_len, schema.max_response_len
-  seqs, lps, masks, imgs, turns, rows, rewards = [], [], [], [], [], [], []
-  zf, zm = np.zeros(max_p, np.float32), np.zeros(max_p, np.uint8)
-  ndarray, i32, f32, mask_types, inf = np.ndarray, _I32, _F32, _MASKS, math.inf
-  for i, t in enumerate(trajectories):
-    if type(t) is not Trajectory:
-      return None
-    p, r, lp, m, gid, idx, reward, versions, source, ids, spans, gen, env = _FIELDS(t)
-    if not (type(p) is ndarray and type(r) is ndarray and type(lp) is ndarray
-            and type(m) is ndarray and p.dtype == i32 and r.dtype == i32 and lp.dtype == f32
-            and m.dtype in mask_types and p.ndim == 1 and r.ndim == 1):
-      return None
-    n_p, n_r = p.size, r.size
-    if not (0 < n_p <= max_p and 0 < n_r <= max_r and lp.shape == r.shape
-            and m.shape == r.shape):
-      return None
-    if not ((type(gid) is int and 0 <= gid <= _INT64_MAX or _is_int(gid))
-            and (type(idx) is int and 0 <= idx <= _INT64_MAX or _is_int(idx))
-            and (type(reward) is float or _is_real(reward))
-            and type(versions) in (tuple, list) and versions):
-      return None
-    for v in versions:
-      if not (type(v) is int and 0 <= v <= _INT64_MAX or _is_int(v)):
-        return None
-    source = sources.get(source) if isinstance(source, str) else None
-    if source is None or type(spans) not in (tuple, list):
-      return None
-    if type(ids) is not tuple:
-      ids = tuple(ids)
-    if ids and any(image not in known_images for image in ids):
-      return None
-    if spans:
-      try:
-        spans = _turns(spans, i, gid, n_r, [int(v) for v in versions])
-      except Bad:
-        return None
-      turns += spans
-    if not (_is_real(gen) and _is_real(env) and 0 <= gen < inf and 0 <= env < inf):
-      return None
-    seqs += (p, r)
-    lps += (zf[:n_p], lp)
-    masks += (zm[:n_p], m.view(np.uint8))
-    rows.append((n_p, n_r, source, gid, idx, min(versions), max(versions), np.count_nonzero(m),
-                 len(spans), round(float(gen) * 1e6) if gen else 0,
-                 round(float(env) * 1e6) if env else 0))
-    rewards.append(reward)
-    imgs.append(ids)
-  tokens, logprobs, mask = np.concatenate(seqs), np.concatenate(lps), np.concatenate(masks)
-  reward = np.asarray(rewards, np.float64)
-  if not (tokens.min() >= 0 and np.isfinite(logprobs).all() and np.isfinite(reward).all()
-          and mask.max() <= 1):
+  does not take). Each check runs over one field of every trajectory at once (maps
+  and sets: C loops), so its cost per trajectory is a few attribute reads."""
+  trajectories = list(trajectories)
+  if set(map(type, trajectories)) != {Trajectory}:
     return None
-  cols = np.array(rows, np.int64).T.copy()
-  return PackedAppend(tokens=tokens, logprobs=logprobs, loss_mask=mask, reward=reward,
-                      image_ids=imgs, turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
-                      **dict(zip(_FAST_COLS, cols)))
+  (ps, rs, lps, ms, gids, idxs, rewards, versions, sources, ids, spans, gens,
+   envs) = zip(*map(_FIELDS, trajectories))
+  seqs = ps + rs
+  if not (set(map(type, seqs + lps + ms)) == _ND and set(map(_DTYPE, seqs)) == _I32S
+          and set(map(_DTYPE, lps)) == _F32S and set(map(_DTYPE, ms)) <= _MASKS
+          and set(map(_NDIM, seqs)) == {1}):
+    return None
+  n_p, n_r, shapes = list(map(_SIZE, ps)), list(map(_SIZE, rs)), list(map(_SHAPE, rs))
+  if not (0 < min(n_p) and max(n_p) <= schema.max_prompt_len and 0 < min(n_r)
+          and max(n_r) <= schema.max_response_len and list(map(_SHAPE, lps)) == shapes
+          and list(map(_SHAPE, ms)) == shapes):
+    return None
+  if not (_ints(gids) and _ints(idxs) and _reals(rewards)
+          and set(map(type, versions)) <= _SEQUENCES and all(versions)
+          and _ints([v for vs in versions for v in vs])
+          and set(map(type, sources)) == _STR and set(map(type, spans)) <= _SEQUENCES):
+    return None
+  source = list(map({s: i for i, s in enumerate(schema.sources)}.get, sources))
+  if None in source:
+    return None
+  if set(map(type, ids)) != _TUPLE:
+    ids = list(map(tuple, ids))
+  if any(ids) and not all(image in known_images for row in ids for image in row):
+    return None
+  turns, turn_count = [], [0] * len(ps)
+  if any(spans):
+    for i, (row, gid, n, vs) in enumerate(zip(spans, gids, n_r, versions)):
+      if row:
+        try:
+          row = _turns(row, i, gid, n, [int(v) for v in vs])
+        except Bad:
+          return None
+        turns += row
+        turn_count[i] = len(row)
+  seconds = gens + envs
+  if not _reals(seconds):
+    return None
+  us = [0] * len(seconds)
+  if any(seconds):  # all zero (the usual call) needs no more; NaN is true, checked here
+    if not all(0 <= x < _MAX_US_SECONDS for x in seconds):
+      return None
+    # round(float(x) * 1e6), as _seconds: the same float64 product, rounded half to even
+    us = np.rint(np.array(seconds, np.float64) * 1e6).astype(np.int64)
+  zeros = _ZEROS.get(schema.max_prompt_len)
+  if zeros is None:
+    zeros = _ZEROS[schema.max_prompt_len] = (np.zeros(schema.max_prompt_len, np.float32),
+                                             np.zeros(schema.max_prompt_len, np.uint8))
+  zf, zm = zeros
+  tokens = np.concatenate([x for pair in zip(ps, rs) for x in pair])
+  logprobs = np.concatenate([x for n, lp in zip(n_p, lps) for x in (zf[:n], lp)])
+  mask = np.concatenate([x for n, m in zip(n_p, ms) for x in (zm[:n], m)], dtype=np.uint8)
+  reward = np.array(rewards, np.float64)
+  # A float32 sum is NaN or inf if any value is (and may overflow to inf with none:
+  # then `_pack` checks value by value); bool masks hold only 0 and 1.
+  if not (tokens.min() >= 0 and np.isfinite(logprobs.sum()) and np.isfinite(reward).all()
+          and (set(map(_DTYPE, ms)) == _BOOLS or mask.max() <= 1)):
+    return None
+  cols = np.zeros((L.ROW_COLS, len(ps)), np.int64)  # row by row: faster than one np.array
+  cols[L.PROMPT_LEN], cols[L.RESPONSE_LEN], cols[L.SOURCE] = n_p, n_r, source
+  cols[L.GROUP_ID], cols[L.INDEX_IN_GROUP] = gids, idxs
+  cols[L.V_FIRST], cols[L.V_LAST] = list(map(min, versions)), list(map(max, versions))
+  cols[L.LOSS_TOKENS] = list(map(np.count_nonzero, ms))
+  if type(us) is not list:
+    cols[L.GEN_US], cols[L.ENV_US] = us[:len(ps)], us[len(ps):]
+  return PackedAppend(tokens=tokens, logprobs=logprobs, loss_mask=mask, cols=cols,
+                      reward=reward, image_ids=ids if type(ids) is list else list(ids),
+                      turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
+                      turn_count=np.asarray(turn_count, np.int64))
 
 
 def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
@@ -304,7 +360,9 @@ def _pack(trajectories: Sequence[Trajectory], schema: StoreSchema,
     cols["env_us"].append(env_us)
     turns += spans
     imgs.append(ids)
-  ints = {k: np.asarray(v, np.int64) for k, v in cols.items() if k != "reward"}
+  named = {k: v for k, v in cols.items() if k not in ("reward", "turn_count")}
   return PackedAppend(tokens=np.concatenate(toks), logprobs=np.concatenate(lps),
-                      loss_mask=np.concatenate(masks), reward=np.asarray(cols["reward"], np.float64),
-                      image_ids=imgs, turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS), **ints)
+                      loss_mask=np.concatenate(masks), cols=_row_cols(len(imgs), **named),
+                      reward=np.asarray(cols["reward"], np.float64), image_ids=imgs,
+                      turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
+                      turn_count=np.asarray(cols["turn_count"], np.int64))

@@ -140,6 +140,8 @@ class WholeChunkAppender:
   def __init__(self, arrays: dict[str, ts.TensorStore], extents: dict[str, int],
                local_dir: str | None = None, in_place: bool = False):
     self._arrays, self._dir, self._in_place = arrays, local_dir, in_place and local_dir
+    # Whole chunks are put in place by a plain rename on tmpfs (file_chunks.no_writeback).
+    self.exchange = not local_dir or file_chunks.exchange_in(local_dir)
     self._chunk, self._fill, self._crc, reads = {}, {}, {}, {}
     self._pools: dict[str, file_chunks.FreePool] = {}
     for name, n in extents.items():
@@ -171,6 +173,10 @@ class WholeChunkAppender:
         self._seq_len = extents[name] % self._chunk[name]
         _check_tail(name, [p[:self._seq_len] for p in chunk.planes], None)
     self._pending: dict[str, np.ndarray] = {}
+    # Local arrays other than `sequences`: the boundary chunk's buffer and how far
+    # appends wrote into it ([buf, rows]; see _write_boundary), and its file's path.
+    self._bufs: dict[str, list] = {}
+    self._paths: dict[tuple[str, int], str] = {}
 
   def _start(self, name: str, extent: int) -> int:
     return extent - extent % self._chunk[name]
@@ -195,6 +201,9 @@ class WholeChunkAppender:
       raise AssertionError(f"{name}: tail of {len(tail)} rows, but the extent {extent} leaves "
                            f"{extent - start} in its chunk")
     end = extent + len(data)
+    if self._dir is not None and end < start + c:
+      return self._write_boundary(name, start, extent, end, data)
+    self._bufs.pop(name, None)  # the tail moves to another chunk (or a fresh array)
     padded_end = -(-end // c) * c
     block = np.empty((padded_end - start, *data.shape[1:]), data.dtype)
     block[:len(tail)] = tail
@@ -208,7 +217,39 @@ class WholeChunkAppender:
         # A chunk without committed rows takes a free file, if its array has one.
         pool = self._pool(name) if start + i >= extent else None
         file_chunks.replace(file_chunks.chunk_path(self._dir + name, (start + i) // c, block.ndim),
-                            block[i:i + c], self._crc[name], pool)
+                            block[i:i + c], self._crc[name], pool, self.exchange)
+    except Exception as e:
+      return Written(e)
+    return Written()
+
+  def _write_boundary(self, name: str, start: int, extent: int, end: int, data: np.ndarray):
+    """A local write that ends in the boundary chunk: that chunk, replaced whole from
+    its buffer (`_bufs`: the committed tail, then the fill value past the rows any
+    append wrote), with only the new rows copied in. The committed rows are not
+    written into (the new ones go past them), so the tail is a view of the buffer."""
+    c, tail, fill = self._chunk[name], self._tails[name], self._fill[name]
+    j, m = extent - start, end - start
+    entry = self._bufs.get(name)
+    if entry is None:  # once per chunk: the tail, then the fill value
+      buf = np.empty((c, *tail.shape[1:]), tail.dtype)
+      buf[:j], buf[j:] = tail, fill
+      entry = self._bufs[name] = [buf, j]
+    buf, dirty = entry
+    buf[j:m] = data
+    if dirty > m:  # a failed append's rows past this one's
+      buf[m:dirty] = fill
+    entry[1] = m
+    self._pending[name] = buf[:m]  # later appends write past it only
+    k = start // c
+    path = self._paths.get((name, k))
+    if path is None:
+      self._paths.clear()  # one boundary chunk per array at a time
+      path = file_chunks.chunk_path(self._dir + name, k, buf.ndim)
+      self._paths[name, k] = path
+    try:
+      # A chunk without committed rows takes a free file, if its array has one.
+      file_chunks.replace(path, buf, self._crc[name], self._pool(name) if j == 0 else None,
+                          self.exchange)
     except Exception as e:
       return Written(e)
     return Written()
@@ -259,12 +300,13 @@ class WholeChunkAppender:
         new = [p[lo - extent:hi - extent] for p in planes]
         if whole:
           if k * c < extent:  # holds committed tokens
-            file_chunks.replace(path, boundary(), crc)
+            file_chunks.replace(path, boundary(), crc, None, self.exchange)
           elif hi < (k + 1) * c:  # the partly filled last chunk, in a buffer
             file_chunks.replace(path, self._seq[self._seq_pending[0]].whole(hi - k * c), crc,
-                                pool)
+                                pool, self.exchange)
           else:  # a full chunk of new tokens: its planes in file order
-            file_chunks.replace(path, [memoryview(p).cast("B") for p in new], crc, pool)
+            file_chunks.replace(path, [memoryview(p).cast("B") for p in new], crc, pool,
+                                self.exchange)
           continue
         pieces = [(o + (lo - k * c) * dt.itemsize, memoryview(p).cast("B"))
                   for o, (_, dt), p in zip(offsets, L.SEQ_FIELDS, new)]
@@ -276,7 +318,7 @@ class WholeChunkAppender:
           # either; later appends write every token below their commit first.
           file_chunks.write_new(path, L.SEQ_BYTES * c, pieces, L.SEQ_FILL, pool)
         elif not file_chunks.update(path, L.SEQ_BYTES * c, pieces):
-          file_chunks.replace(path, boundary(), False)  # missing or damaged: whole
+          file_chunks.replace(path, boundary(), False, None, self.exchange)  # damaged: whole
     except Exception as e:
       return Written(e)
     return Written()
