@@ -4,6 +4,7 @@ memory: exact zero-copy round trip, the engine's dtype, release, damage named,
 the fallback to files."""
 import dataclasses
 import os
+import subprocess
 
 import gin
 import jax
@@ -124,10 +125,18 @@ def test_shm_release_unlinks_older_versions_held_mappings_stay_valid(tmp_path):
     np.testing.assert_array_equal(a, np.asarray(b))
   assert sub.poll()[0] == 2
   # A trainer killed mid-write leaves a temporary file and its newest version: the next
-  # trainer to start in the work dir unlinks both; one that finishes unlinks its own.
-  open(os.path.join(tmp_path / "shm", segments(tmp_path)[0] + ".tmp123"), "wb").close()
+  # trainer to start in the work dir unlinks both, and on the host whatever a dead
+  # writer left; one that finishes unlinks its own.
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  shm = tmp_path / "shm"
+  open(shm / (segments(tmp_path)[0] + ".tmp123"), "wb").close()
+  open(shm / f"knittrans-0123456789ab-{dead.pid}-v00000001-p0", "wb").close()
+  live = f"knittrans-0123456789ab-{os.getpid()}-v00000001-p0"
+  open(shm / live, "wb").close()
   again = shm_publisher(tmp_path, version=1)
-  assert segments(tmp_path) == []
+  assert segments(tmp_path) == [live]
+  os.unlink(shm / live)
   assert WeightSubscriber(str(tmp_path / "work"), params).poll() is None
   again.write_part(2, params)
   again.commit(2)

@@ -28,9 +28,10 @@ unlinks every older segment. An engine still mapping an older version keeps its 
 exactly when it has a newer one and no engine holds it, and a worker killed by SIGKILL
 drops its mappings with its process. A reader that read LATEST just before a commit
 finds its segment gone and LATEST moved on: it takes the newer version at its next
-poll. Names are `knittrans-<hash of the work dir>-v{v:08d}-p{p}`: what a killed trainer
-leaves (the newest version) is unlinked by the next trainer to start in that work dir
-(resume, or a new run), and a trainer that finishes or aborts unlinks its own.
+poll. A trainer that finishes or aborts unlinks its segments. What a killed trainer
+leaves (its newest version) is unlinked by the next trainer to start on the host: names
+are `knittrans-<hash of the work dir>-<writer pid>-v{v:08d}-p{p}`, and a starting trainer
+unlinks every segment of its work dir and every one whose writer is no longer alive.
 """
 from __future__ import annotations
 
@@ -101,9 +102,28 @@ def _versions(root: str) -> list[int]:
   return sorted(int(d[1:]) for d in os.listdir(root) if d.startswith("v") and d[1:].isdigit())
 
 
-def _segment_prefix(weights_dir: str, shm_dir: str) -> str:
-  tag = hashlib.sha1(os.path.realpath(weights_dir).encode()).hexdigest()[:12]
-  return os.path.join(shm_dir, f"knittrans-{tag}-")
+def _segment_tag(weights_dir: str) -> str:
+  return hashlib.sha1(os.path.realpath(weights_dir).encode()).hexdigest()[:12]
+
+
+def _parse_segment(name: str) -> tuple[str, int, int | None] | None:
+  """(work dir tag, writer pid, version; None for a temporary file) of a segment's file
+  name; None for a file that is not one."""
+  parts = name.split("-")
+  if len(parts) != 5 or parts[0] != "knittrans" or not parts[2].isdigit():
+    return None
+  v = parts[3][1:]
+  return parts[1], int(parts[2]), int(v) if v.isdigit() and "." not in parts[4] else None
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:  # another user's process
+    return True
+  return True
 
 
 def _read_latest(root: str) -> tuple[int, list[str] | None]:
@@ -161,16 +181,17 @@ class WeightPublisher:
     self.shm = sync is not None and sync.transport == "shm"
     if sync is not None and sync.transport == "auto":
       raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
-    self.prefix = _segment_prefix(self.dir, sync.shm_dir) if self.shm else None
+    self.shm_dir, self.tag = (sync.shm_dir, _segment_tag(self.dir)) if self.shm else (None, None)
     if process == 0 and version is not None:
       for v in _versions(self.dir):
         if v > version:
           shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
       if self.shm:
         self.close()
+        self._unlink(lambda tag, pid, v: not _alive(pid))  # killed trainers' leftovers
 
   def _segment(self, version: int, part: int) -> str:
-    return f"{self.prefix}v{version:08d}-p{part}"
+    return os.path.join(self.shm_dir, f"knittrans-{self.tag}-{os.getpid()}-v{version:08d}-p{part}")
 
   def _cast(self, leaf):
     if self.dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
@@ -215,13 +236,19 @@ class WeightPublisher:
   def commit(self, version: int, parts: int = 1) -> None:
     """(process 0) Every part of `version` is written: make it the latest."""
     if self.shm:
-      paths = [self._segment(version, p) for p in range(parts)]
-      missing = [p for p, path in enumerate(paths) if not os.path.exists(path)]
+      # Each part's writer is a process of its own: find the parts by name.
+      found = {}
+      for name in os.listdir(self.shm_dir):
+        seg = _parse_segment(name)
+        if seg is not None and seg[0] == self.tag and seg[2] == version:
+          found[int(name.rsplit("-p", 1)[1])] = os.path.join(self.shm_dir, name)
+      missing = [p for p in range(parts) if p not in found]
       if missing:
-        raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are missing "
-                           f"({paths[missing[0]]})")
+        raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are missing in "
+                           f"{self.shm_dir} (knittrans-{self.tag}-*)")
+      paths = [found[p] for p in range(parts)]
       _write_latest(self.dir, json.dumps({"version": version, "segments": paths}))
-      self._unlink(lambda v: v < version)
+      self._unlink(lambda tag, pid, v: tag == self.tag and v is not None and v < version)
       return
     folder = _version_dir(self.dir, version)
     missing = [p for p in range(parts) if not os.path.exists(os.path.join(folder, f"part{p}.npz"))]
@@ -233,17 +260,12 @@ class WeightPublisher:
       shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
 
   def _unlink(self, which) -> None:
-    folder, stem = os.path.split(self.prefix)
-    for name in os.listdir(folder):
-      if not name.startswith(stem):
-        continue
-      try:
-        v = int(name[len(stem):].split("-")[0][1:])
-      except ValueError:
-        v = None  # a temporary file of a killed writer
-      if v is None or which(v):
+    """Unlinks the segments for which `which(tag, writer pid, version or None)` holds."""
+    for name in os.listdir(self.shm_dir):
+      seg = _parse_segment(name)
+      if seg is not None and which(*seg):
         try:
-          os.unlink(os.path.join(folder, name))
+          os.unlink(os.path.join(self.shm_dir, name))
         except FileNotFoundError:  # another process was first
           pass
 
@@ -257,7 +279,7 @@ class WeightPublisher:
         os.unlink(os.path.join(self.dir, "LATEST"))
       except FileNotFoundError:
         pass
-    self._unlink(lambda v: True)
+    self._unlink(lambda tag, pid, v: tag == self.tag)
 
 
 class WeightSyncError(RuntimeError):
