@@ -116,7 +116,8 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
       fns, state, data, layout, range(p * per_process, (p + 1) * per_process),
       encode_once=EncodeOnceStep(fns, EncodeOnceConfig(), path=path) if encode_once else None,
       vision=vision, version=version, quarantine=quarantine, checkpointer=ckpt,
-      publisher=WeightPublisher(workdir, process=p, version=version),
+      publisher=WeightPublisher(workdir, process=p, version=version, sync=setup.weights,
+                                dtype=setup.weights.wire_dtype(setup.model)),
       process=p, processes=P, reference=reference)
   return BuiltTrainer(trainer, progress, rows_multiple, mesh, graphdef)
 

@@ -32,6 +32,7 @@ from knittrans_jax.rollout.groups import AgentSource, MathSource, suite_prompt_l
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
 from knittrans_jax.rollout.sampler import SamplerConfig
+from knittrans_jax.rollout.weights import WeightSyncConfig
 from knittrans_jax.rollout.worker import WorkerArgs
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.train import CheckpointConfig, Checkpointer
@@ -78,6 +79,7 @@ class JobSetup:
   prompt_len: int
   engine_options: object | None = None  # rollout/vllm_engine.VllmOptions for 'vllm'
   agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
+  weights: WeightSyncConfig = WeightSyncConfig(transport="files")  # resolved: how weights travel
 
   @property
   def max_sequence_len(self) -> int:
@@ -117,7 +119,7 @@ def job_setup(cfg: JobConfig) -> JobSetup:
       qwen=qwen, math=math, sources=sources,
       trained_sources=tuple(quota) if quota else sources,
       prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math),
-      agent=agent)
+      agent=agent, weights=WeightSyncConfig().resolve(cfg.cluster))
   _check_model_and_tasks(setup)
   if cfg.engine == "vllm":
     from knittrans_jax.rollout import vllm_engine  # vLLM only when asked for
@@ -216,7 +218,8 @@ def worker_args(setup: JobSetup) -> WorkerArgs:
   return WorkerArgs(seed=cfg.seed, n=cfg.spec.group_size, model_config=setup.model,
                     sampler_config=setup.sampler, suite=cfg.suite, vision=setup.vision,
                     math=setup.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
-                    engine_options=setup.engine_options, agent=setup.agent)
+                    engine_options=setup.engine_options, agent=setup.agent,
+                    weights=setup.weights)
 
 
 def make_planner(setup: JobSetup, consumers: int, trainers,

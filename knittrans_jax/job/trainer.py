@@ -369,6 +369,8 @@ class Trainer:
 
   def close(self) -> None:
     self.stream.close()
+    if self.publisher is not None:
+      self.publisher.close()  # shared-memory segments do not outlive the trainer
 
   def finish(self, workdir: str | None = None) -> None:
     self.close()

@@ -65,7 +65,8 @@ class WorkerArgs:
   `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
   `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
   (VllmOptions for 'vllm') or None; `agent`: rollout/groups.AgentSource (the
-  'agentic' suite) or None."""
+  'agentic' suite) or None; `weights`: the run's resolved rollout/weights.WeightSyncConfig
+  (None: leaves as the trainer holds them, crc32c checked)."""
   seed: int
   n: int
   model_config: Any
@@ -77,6 +78,7 @@ class WorkerArgs:
   engine: str
   engine_options: Any
   agent: Any = None
+  weights: Any = None
 
 
 def one_device_xla_flags(flags: str) -> str:
@@ -99,7 +101,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
   from knittrans_jax.rollout.engine import EngineSpec, PromptSpec
   from knittrans_jax.rollout.engines import make_engine
   from knittrans_jax.rollout.groups import Suite
-  from knittrans_jax.rollout.weights import WeightSubscriber
+  from knittrans_jax.rollout.weights import WeightSubscriber, wire_template
   from knittrans_jax.storage import TrajectoryStore
 
   try:
@@ -107,7 +109,10 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
     with nnx.use_eager_sharding(False):  # shapes only: the weights come from the trainer
       model = nnx.eval_shape(lambda: make_model(a.model_config, a.vision, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
-    weights = WeightSubscriber(workdir, template)
+    sync = a.weights
+    if sync is not None:  # the engine's dtype, as the trainer publishes it
+      template = wire_template(template, sync.wire_dtype(a.model_config))
+    weights = WeightSubscriber(workdir, template, verify=sync is None or sync.verify)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
     tasks = Suite(a.suite, a.math, a.vision, a.agent)
     # Agentic turns (n = 1 requests) batch by rows on the JAX engine: as many
