@@ -3,6 +3,8 @@
   python scripts/bench_rollout.py --json runs/bench_rollout.json
   python scripts/bench_rollout.py --workload agentic --json runs/bench_rollout_agentic.json
   python scripts/bench_rollout.py --workload long_tails --json runs/bench_rollout_long.json
+  python scripts/bench_rollout.py --model configs/models/qwen2_5_0_5b.gin --engines jax \
+      --weights_only --updates 3 --json runs/bench_rollout_weights_0_5b.json
 
 Workloads (`--workload`): 'tails' (the default, below), 'long_tails'
 (configs/text_long_tails.gin: answers of 16 to 512 tokens; the same method as
@@ -36,10 +38,21 @@ For vLLM also: seconds per weight update (`--updates` updates of perturbed weigh
 collective_rpc + reload + prefix-cache reset) beside the time to copy the same bytes
 in numpy, and the largest |behaviour log-prob - trainer log-prob| over every response
 (the trainer's forward on the same weights, lag 0).
+For the JAX engine: seconds per weight update from the trainer's arrays to the engine's,
+through the job's own WeightPublisher / WeightSubscriber (rollout/weights.py), on the
+run's transport (WeightSyncConfig: shared memory by default) and on the old one ('files':
+.npz parts in a work dir on /dev/shm, `old_path`), each beside a numpy copy of the same
+bytes timed in the same run (`copy_s`, `weight_update_vs_copy`). One update is a
+publish (write_part + commit), one worker's poll and the engine's update_weights.
+
+`--model`: a model gin file (configs/models/) read after the workload's, with the
+model's own head count (no vLLM head-dim override). `--weights_only`: no generation,
+only the weight updates (a 0.5B decoder's generation takes long on a few CPU cores).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import tempfile
@@ -61,6 +74,8 @@ from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.agent_loop import FailedGroup
 from knittrans_jax.rollout.groups import AgentSource, Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
+from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
+                                           wire_template)
 
 WORKLOADS = {"tails": "configs/text_grpo_tails.gin", "long_tails": "configs/text_long_tails.gin",
              "agentic": "configs/agentic_tails.gin"}
@@ -152,6 +167,51 @@ def agentic_run(engine, suite: Suite, sampler, seed: int, groups: int, n: int, s
           "groups": len(times), "failed_groups": failed}
 
 
+def _median(xs) -> float:
+  return float(np.median(xs))
+
+
+def weight_updates(engine, params, model_cfg, sync: WeightSyncConfig, updates: int,
+                   workdir: str) -> dict:
+  """`updates` versions of `params` (the trainer's device arrays) published on `sync`'s
+  transport, read by one subscriber and loaded by `engine`; each beside a numpy copy of
+  the published bytes, timed in between."""
+  dtype = sync.wire_dtype(model_cfg)
+  pub = WeightPublisher(workdir, sync=sync, dtype=dtype, version=0)
+  sub = WeightSubscriber(workdir, wire_template(params, dtype), verify=sync.verify)
+  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": []}
+  nbytes = 0
+  try:
+    for v in tqdm(range(1, updates + 1), desc=f"{sync.transport} updates", leave=False):
+      t = time.perf_counter()
+      pub.write_part(v, params)
+      pub.commit(v)
+      t1 = time.perf_counter()
+      version, got = sub.poll()
+      t2 = time.perf_counter()
+      engine.update_weights(version, got)
+      jax.block_until_ready(engine.params)
+      t3 = time.perf_counter()
+      leaves = jax.tree.leaves(got)
+      nbytes = sum(x.nbytes for x in leaves)
+      t4 = time.perf_counter()
+      copies = [np.array(x, copy=True) for x in leaves]
+      steps["copy_s"].append(time.perf_counter() - t4)
+      del copies, got, leaves
+      for key, dt in (("publish_s", t1 - t), ("subscribe_s", t2 - t1), ("load_s", t3 - t2)):
+        steps[key].append(dt)
+  finally:
+    pub.close()
+  per = [a + b + c for a, b, c in zip(steps["publish_s"], steps["subscribe_s"], steps["load_s"])]
+  out = {"transport": sync.transport, "weight_bytes": nbytes,
+         "weight_dtype": str(dtype or "as trained"), "weight_update_s": _median(per),
+         **{k: _median(x) for k, x in steps.items()}, "runs": {**steps, "weight_update_s": per}}
+  copy = max(out["copy_s"], 1e-12)
+  out.update(weight_update_vs_copy=out["weight_update_s"] / copy,
+             engine_side_vs_copy=(out["subscribe_s"] + out["load_s"]) / copy)
+  return out
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   cli.add_flags(parser)
@@ -164,6 +224,11 @@ def main():
   parser.add_argument("--groups", type=int, default=64)
   parser.add_argument("--updates", type=int, default=5)
   parser.add_argument("--engines", default="jax,jax_static,vllm")
+  parser.add_argument("--model", default=None,
+                      help="a model gin file (e.g. configs/models/qwen2_5_0_5b.gin), read after "
+                      "the workload's")
+  parser.add_argument("--weights_only", action="store_true",
+                      help="no generation: only the engines' weight updates")
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--checkpoint", default=None,
                       help="a Hugging Face decoder directory (e.g. scripts/export_hf.py of a "
@@ -171,7 +236,10 @@ def main():
                       "max_new_tokens, so no engine shows a tail")
   args = parser.parse_args()
   args.gin_file = args.gin_file or [WORKLOADS[args.workload]]
-  args.gin_bindings = ["DecoderConfig.heads = 2", *args.gin_bindings]
+  if args.model:  # the model's own shape: no head-dim override for vLLM's kernels
+    args.gin_file = [*args.gin_file, args.model]
+  else:
+    args.gin_bindings = ["DecoderConfig.heads = 2", *args.gin_bindings]
   cli.parse(args)
   job, model_cfg, sampler = JobConfig(), DecoderConfig(), SamplerConfig()
   agentic = job.suite == "agentic"
@@ -202,7 +270,9 @@ def main():
                     "groups": args.groups, "n": n, "sources": sources,
                     "max_new_tokens": sampler.max_new_tokens, "head_dim": model_cfg.dim_per_head,
                     "groups_per_call": job.groups_per_call, "cpus": os.cpu_count(),
-                    "checkpoint": args.checkpoint},
+                    "checkpoint": args.checkpoint, "model": args.model,
+                    "weights_only": args.weights_only,
+                    "parameters": int(sum(np.size(x) for x in jax.tree.leaves(host)))},
          "engines": {}}
   names = args.engines.split(",")
   for name in tqdm(names, desc="engines", unit="engine"):
@@ -236,11 +306,22 @@ def main():
           out["engines"][name if len(in_flight) == 1 else f"{name}@{k}"] = res
         engine.close()
         continue
-      timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
-      res, groups = timed_run(engine, reqs)
+      res, groups = {}, None
+      if not args.weights_only:
+        timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
+        res, groups = timed_run(engine, reqs)
       res["startup_s"] = startup
-      if name == "vllm":
+      if name == "jax":
+        sync = WeightSyncConfig().resolve("local")
+        res.update(weight_updates(engine, params, model_cfg, sync, args.updates, tmp))
+        with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None
+                                         ) as old:  # the old path at its fastest: files in RAM
+          res["old_path"] = weight_updates(engine, params, model_cfg,
+                                           dataclasses.replace(sync, transport="files"),
+                                           args.updates, old)
+      if name == "vllm" and groups is not None:
         res["logprob_max_abs_diff"] = trainer_logprob_diff(model, groups, sampler.temperature, length)
+      if name == "vllm":
         from knittrans_jax.rollout.vllm_engine import hf_tensors
         rng = np.random.default_rng(args.seed)
         nbytes = sum(len(b) for _, b, _, _ in hf_tensors(host))
@@ -277,9 +358,18 @@ def main():
   print(f"\n{'engine':<11} {'tokens/s':>9} {'first s':>8} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} "
         f"{'p99/p50':>8} {'wall s':>7}")
   for name, r in out["engines"].items():
+    if "group_time_s" not in r:  # --weights_only
+      continue
     g = r["group_time_s"]
     print(f"{name:<11} {r['tokens_per_s']:9.0f} {r['first_group_s']:8.3f} {g['p50']:7.3f} "
           f"{g['p90']:7.3f} {g['p99']:7.3f} {g['p99'] / g['p50']:8.2f} {r['wall_s']:7.3f}")
+  if "jax" in out["engines"]:
+    r = out["engines"]["jax"]
+    print(f"\njax weight update ({r['weight_bytes'] / 1e9:.2f} GB)  publish s  subscribe s  "
+          "load s  update s  copy s  update/copy")
+    for label, w in (("shm", r), ("files (old)", r["old_path"])):
+      print(f"  {label:<30} {w['publish_s']:9.3f} {w['subscribe_s']:12.3f} {w['load_s']:7.3f} "
+            f"{w['weight_update_s']:9.3f} {w['copy_s']:7.3f} {w['weight_update_vs_copy']:12.2f}")
   if "vllm" in out["engines"]:
     r = out["engines"]["vllm"]
     print(f"vllm weight update {r['weight_update_s'] * 1e3:.1f} ms for {r['weight_bytes'] / 1e6:.2f} MB "

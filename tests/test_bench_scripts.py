@@ -283,3 +283,29 @@ def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path):
                         timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert [x["sim"] for x in json.loads(out.read_text())["runs"]] == before
+
+
+def test_bench_rollout_weights_only_times_both_weight_paths(tmp_path, monkeypatch):
+  """--weights_only on a tiny model (--model): the JAX engine's updates through shared
+  memory and through the old files, each beside a copy of the same bytes, in one run,
+  and the shared-memory segments are gone after it."""
+  import glob
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench_rollout", "scripts/bench_rollout.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  out = tmp_path / "weights.json"
+  monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--engines", "jax", "--weights_only",
+                                    "--updates", "2", "--model", "configs/models/tiny_qwen2.gin",
+                                    "--json", str(out)])
+  bench.main()
+  r = json.loads(out.read_text())
+  jax_ = r["engines"]["jax"]
+  # tiny_qwen2 (float32): the tied embedding, 2 blocks (q, k, v with biases, o, two norms,
+  # the MLP), the final norm: every parameter once.
+  block = (64 * 64 + 64) + 2 * (64 * 32 + 32) + 64 * 64 + 2 * 64 + 3 * 64 * 128
+  assert r["config"]["parameters"] == 512 * 64 + 2 * block + 64
+  for w, transport in ((jax_, "shm"), (jax_["old_path"], "files")):
+    assert w["transport"] == transport and w["weight_bytes"] == 4 * r["config"]["parameters"]
+    assert all(len(w["runs"][k]) == 2 for k in ("publish_s", "subscribe_s", "load_s", "copy_s"))
+  assert not glob.glob(f"/dev/shm/knittrans-*-{os.getpid()}-*")

@@ -169,7 +169,8 @@ class WeightPublisher:
   """`version`: the trainer's version at start. Process 0 removes versions above it,
   left by a run that went further before it stopped (resume starts from its last
   checkpoint): the next publish must not be pruned as the oldest; with 'shm' it
-  unlinks every segment a killed trainer of this work dir left. `sync`: a resolved
+  unlinks every segment of this work dir and every one a dead writer left on the
+  host. `sync`: a resolved
   WeightSyncConfig (None: 'files', leaves as held); `dtype`: the dtype floating leaves
   are published in (WeightSyncConfig.wire_dtype; None: as held)."""
 
@@ -194,8 +195,9 @@ class WeightPublisher:
     return os.path.join(self.shm_dir, f"knittrans-{self.tag}-{os.getpid()}-v{version:08d}-p{part}")
 
   def _cast(self, leaf):
-    if self.dtype is None or not jnp.issubdtype(leaf.dtype, jnp.floating):
-      return leaf
+    if (self.dtype is None or leaf.dtype == jnp.dtype(self.dtype)
+        or not jnp.issubdtype(leaf.dtype, jnp.floating)):
+      return leaf  # nothing to convert: no copy
     return leaf.astype(self.dtype)  # on the devices: half the bytes cross to the host for bf16
 
   def write_part(self, version: int, params) -> str:
