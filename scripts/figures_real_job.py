@@ -27,9 +27,11 @@ WORKLOADS = {"agentic": ("configs/agentic_tails.gin", []),
 # Full size: three seeds, the steady state after the first train batches.
 FULL = {"agentic": dict(train_batches=20, skip=3), "long_tails": dict(train_batches=6, skip=2),
         "long_tails_frozen": dict(train_batches=6, skip=2)}
-# --quick: one seed, a few train batches, three windows: the path runs, the figures
-# are not the result.
-QUICK = dict(seeds="0", train_batches=2, skip=1, windows="1,4", dispatch="shuffled")
+# --quick: one seed, two train batches, the three baselines and one constraint-
+# preserving window, on the two workloads (the frozen control is full size only):
+# the path runs and every figure is drawn, the figures are not the result.
+QUICK = dict(seeds="0", train_batches=2, skip=1, windows="4", dispatch="shuffled",
+             workloads=("agentic", "long_tails"))
 STYLE = {("train_batch", "shuffled"): ("tab:red", "train_batch"),
          ("constraint_preserving", "shuffled"): ("tab:blue", "constraint_preserving"),
          ("constraint_preserving", "quota_aware"): ("tab:green",
@@ -41,6 +43,8 @@ def real_job(out: str, work: str, quick: bool, reuse: bool = False) -> dict:
   an earlier run of it left in `work`), draws the frontiers; returns the numbers."""
   numbers = {}
   for name, (gin_file, extra) in WORKLOADS.items():
+    if quick and name not in QUICK["workloads"]:
+      continue
     size = FULL[name]
     path = os.path.join(work, f"real_staleness_{name}.json")
     if reuse and os.path.exists(path):

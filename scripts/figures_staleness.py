@@ -100,8 +100,9 @@ def _variant(config, **changes):
   return config.replace(spec=spec, **changes)
 
 
-def sensitivity(config, train_batches, bar):
-  """Reduction (constraint_preserving and fifo) along three axes, one sweep per point."""
+def sensitivity(config, train_batches, bar, ends_only: bool = False):
+  """Reduction (constraint_preserving and fifo) along three axes, one sweep per point;
+  `ends_only` (--quick): each axis's first and last value."""
   base = config.replace(train_batches=train_batches)
   axes = {
       "M": [(m, _variant(base, spec={"num_mini_batches": m})) for m in (4, 8, 16, 32)],
@@ -114,6 +115,8 @@ def sensitivity(config, train_batches, bar):
                                      for r in (0.25, 1, 4, 16)],
   }
   results = {}
+  if ends_only:
+    axes = {axis: [variants[0], variants[-1]] for axis, variants in axes.items()}
   for axis, variants in axes.items():
     rows = []
     for value, cfg in variants:
@@ -153,9 +156,15 @@ def sensitivity_figure(results, path):
   plt.close(fig)
 
 
-def staleness(out: str, sensitivity_batches: int, seeds=(0, 1, 2, 3, 4)) -> dict:
+def staleness(out: str, sensitivity_batches: int, seeds=(0, 1, 2, 3, 4),
+              train_batches: int | None = None) -> dict:
+  """`train_batches` (--quick) shortens the main sweeps (default: the config's) and
+  keeps each sensitivity axis's two ends."""
   config = SimConfig()
-  bar = tqdm(total=12, desc="staleness figures", unit="sweep")  # 1 + 11 sensitivity points
+  if train_batches:
+    config = config.replace(train_batches=train_batches)
+  bar = tqdm(total=7 if train_batches else 12, desc="staleness figures",
+             unit="sweep")  # 1 + the sensitivity points
   summaries, head = sweep(config, up_to=4)
   bar.update()
   by_seed = {config.seed: reduction_by_window(summaries, config)}
@@ -169,7 +178,7 @@ def staleness(out: str, sensitivity_batches: int, seeds=(0, 1, 2, 3, 4)) -> dict
   colocated = next(p for p in summaries if p["mode"] == "colocated")
   frontier_figure(summaries, head, colocated, os.path.join(out, "staleness_frontier.png"))
   cdf = cdf_figure(config, head, os.path.join(out, "staleness_cdf.png"))
-  sens = sensitivity(config, sensitivity_batches, bar)
+  sens = sensitivity(config, sensitivity_batches, bar, ends_only=bool(train_batches))
   sensitivity_figure(sens, os.path.join(out, "staleness_sensitivity.png"))
   bar.close()
   return {"headline": {k: v for k, v in head.items() if k != "policies"},

@@ -72,6 +72,8 @@ def write_summary(out, numbers):
     f.write("\n".join(lines))
 
 
+# --quick's main simulator sweep: 6 train batches a run, not paper_text.gin's 20.
+QUICK_SIM_BATCHES = 6
 GROUPS = ("staleness", "runs", "real_job", "learning", "learning_agentic", "transfer",
           "multimodal")
 
@@ -92,7 +94,7 @@ def main():
                       help="runs group: rerun only the runs whose name starts with this "
                       "(e.g. 'tails:'), keeping the others' numbers")
   parser.add_argument("--train_batches", type=int, default=None,
-                      help="train batches per tiny run (default 100; quick 8, five of the runs)")
+                      help="train batches per tiny run (default 100; quick 4, five of the runs)")
   parser.add_argument("--reuse_real_job", action="store_true",
                       help="real_job group: read the real_staleness_*.json already in --work "
                       "(each records the command that made it) instead of rerunning them")
@@ -119,10 +121,11 @@ def main():
                      + ([f"--sensitivity_batches {args.sensitivity_batches}"]
                         if args.sensitivity_batches else []))
   sens = args.sensitivity_batches or (3 if args.quick else 10)
-  batches = args.train_batches or (8 if args.quick else 100)
+  batches = args.train_batches or (4 if args.quick else 100)
   makers = {
       "staleness": lambda: figures_staleness.staleness(
-          args.out, sens, (0,) if args.quick else (0, 1, 2, 3, 4)),
+          args.out, sens, (0,) if args.quick else (0, 1, 2, 3, 4),
+          QUICK_SIM_BATCHES if args.quick else None),
       "runs": lambda: figures_runs.real_runs(args.out, os.path.abspath(args.work), batches,
                                              args.runs_matching, numbers.get("runs"), args.quick),
       "real_job": lambda: figures_real_job.real_job(args.out, os.path.abspath(args.work),

@@ -4,11 +4,13 @@ results table with means and bootstrap intervals over seeds.
   python scripts/study.py --gin_file configs/study/staleness.gin --out runs/study
 
 Each run is `scripts/train.py` on `study.base_gin` plus the configuration's gin
-bindings and `JobConfig.seed`. Resumable: a run whose summary.json exists is not
+bindings and `JobConfig.seed`. Resumable: a run whose summary.json exists and whose
+gin file and bindings are the ones recorded beside it (WORKDIR.run.json) is not
 rerun; an interrupted one is continued from its checkpoint (`--resume`), or started
-over if it has none. Runs go one at a time by default: each job already runs a
-trainer and its rollout workers on this machine's two cores, so two at once would
-time-share them and change the throughput being measured (`study.parallel`).
+over if it has none or was started with other settings. Runs go one at a time by
+default: each job already runs a trainer and its rollout workers on this machine's
+two cores, so two at once would time-share them and change the throughput being
+measured (`study.parallel`).
 
 Every run is scored by the held-out evaluation of its current policy
 (job/evaluation.py; the base config must set EvalConfig.every_steps) on prompts
@@ -69,18 +71,43 @@ def run_dir(out: str, name: str, seed: int) -> str:
   return os.path.join(out, "runs", name.replace(" ", "_").replace("/", "_"), f"seed{seed}")
 
 
+RUN_RECORD = ".run.json"  # WORKDIR.run.json: the gin file and bindings WORKDIR was started with
+
+
+def _recorded_run(wd: str) -> dict | None:
+  try:
+    with open(wd + RUN_RECORD) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+def plan_run(wd: str, run: dict) -> str:
+  """'reuse' a finished run, 'resume' an interrupted one from its checkpoint, or
+  'overwrite'. Only a run started with this very gin file and bindings is reused or
+  resumed: a study file edited since, or another study in the same --out, reruns it."""
+  if _recorded_run(wd) != run:
+    return "overwrite"
+  if os.path.exists(os.path.join(wd, "summary.json")):
+    return "reuse"
+  ckpt = os.path.join(wd, "checkpoints")
+  return "resume" if os.path.isdir(ckpt) and os.listdir(ckpt) else "overwrite"
+
+
 def run_one(out: str, base_gin: str, name: str, bindings: list[str], seed: int,
             common: list[str], metric: str, threshold: float | None) -> dict:
   wd = run_dir(out, name, seed)
   summary = os.path.join(wd, "summary.json")
-  if not os.path.exists(summary):
-    resume = os.path.isdir(os.path.join(wd, "checkpoints")) and os.listdir(
-        os.path.join(wd, "checkpoints"))
+  run = {"base_gin": base_gin, "bindings": [*common, *bindings, f"JobConfig.seed = {seed}"]}
+  how = plan_run(wd, run)
+  if how != "reuse":
     cmd = [sys.executable, "scripts/train.py", "--gin_file", base_gin, "--workdir", wd,
-           "--resume" if resume else "--overwrite"]
-    for b in [*common, *bindings, f"JobConfig.seed = {seed}"]:
+           f"--{how}"]
+    for b in run["bindings"]:
       cmd += ["--gin_bindings", b]
     os.makedirs(os.path.dirname(wd), exist_ok=True)
+    with open(wd + RUN_RECORD, "w") as f:  # beside it: --overwrite empties wd
+      json.dump(run, f, indent=1)
     with open(wd + ".log", "w") as log:
       code = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             env={**os.environ, "JAX_PLATFORMS": os.environ.get(

@@ -129,11 +129,22 @@ def test_runner_on_the_agentic_study_at_toy_size_resumes(tmp_path):
                         env={**os.environ, "XLA_FLAGS": ONE_DEVICE})
   assert proc.returncode == 0, proc.stderr[-3000:]
   assert os.path.getmtime(last) == stamp
-  # A misnamed baseline, and settings chosen on a reported seed, are refused before
-  # anything runs (in this process: the same function the script calls).
+  # ... but only runs started with the same settings: an edited study file reruns them.
   spec = importlib.util.spec_from_file_location("study_script", "scripts/study.py")
   script = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(script)
+  wd = str(last.parent)
+  run = json.load(open(wd + script.RUN_RECORD))
+  assert run["base_gin"] == "configs/agentic_test.gin" and "JobConfig.seed = 1" in run["bindings"]
+  assert script.plan_run(wd, run) == "reuse"
+  assert script.plan_run(wd, {**run, "bindings": run["bindings"][1:]}) == "overwrite"
+  os.remove(last)
+  os.makedirs(os.path.join(wd, "checkpoints", "2"), exist_ok=True)
+  assert script.plan_run(wd, run) == "resume"
+  os.remove(wd + script.RUN_RECORD)  # a run from before the record: not trusted
+  assert script.plan_run(wd, run) == "overwrite"
+  # A misnamed baseline, and settings chosen on a reported seed, are refused before
+  # anything runs (in this process: the same function the script calls).
   grid = dict(configurations={"tb": [], "cp W=G": []}, seeds=(0, 1))
   empty = tmp_path / "never"
   with pytest.raises(ValueError, match=r"study.baseline = 'tb W=2G' is not one of"):
