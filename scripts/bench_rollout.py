@@ -312,7 +312,8 @@ def main():
         res, groups = timed_run(engine, reqs)
       res["startup_s"] = startup
       if name == "jax":
-        sync = WeightSyncConfig().resolve("local")
+        sync = WeightSyncConfig()
+        sync = sync.resolve("local", sync.wire_bytes(params, model_cfg))
         res.update(weight_updates(engine, params, model_cfg, sync, args.updates, tmp))
         with tempfile.TemporaryDirectory(dir="/dev/shm" if os.path.isdir("/dev/shm") else None
                                          ) as old:  # the old path at its fastest: files in RAM

@@ -4,6 +4,7 @@ memory: exact zero-copy round trip, the engine's dtype, release, damage named,
 the fallback to files."""
 import dataclasses
 import os
+import shutil
 import subprocess
 
 import gin
@@ -198,6 +199,8 @@ def test_transport_auto_falls_back_to_files_where_shared_memory_cannot_serve(tmp
   auto = WeightSyncConfig(shm_dir=str(tmp_path))
   assert auto.resolve("local").transport == "shm"
   assert auto.resolve("ray").transport == "files"  # workers may be on other hosts
+  room = shutil.disk_usage(tmp_path).free
+  assert auto.resolve("local", nbytes=room).transport == "files"  # two versions do not fit
   gone = WeightSyncConfig(shm_dir=str(tmp_path / "no_shm"))
   assert gone.resolve("local").transport == "files"
   with pytest.raises(ValueError, match="transport = 'shm' with JobConfig.cluster = 'ray'"):

@@ -106,6 +106,8 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
   layout = BatchLayout(rows=cfg.micro_batch_size // P, seq_len=cfg.seq_len,
                        vocab_size=setup.model.vocab_size, rows_multiple=rows_multiple // P,
                        vision=setup.vision)
+  # Shared memory when the host has room for the versions (rollout/weights.py).
+  sync = setup.weights.resolve(cfg.cluster, setup.weights.wire_bytes(state.params, setup.model))
   # A damaged unit is quarantined, not fatal: its readable rows and every other
   # unit still train; skipped rows show as tokens_skipped in metrics.jsonl.
   quarantine = QuarantiningReader(store)
@@ -116,7 +118,7 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
       fns, state, data, layout, range(p * per_process, (p + 1) * per_process),
       encode_once=EncodeOnceStep(fns, EncodeOnceConfig(), path=path) if encode_once else None,
       vision=vision, version=version, quarantine=quarantine, checkpointer=ckpt,
-      publisher=WeightPublisher(workdir, process=p, version=version, sync=setup.weights,
+      publisher=WeightPublisher(workdir, process=p, version=version, sync=sync,
                                 dtype=setup.weights.wire_dtype(setup.model)),
       process=p, processes=P, reference=reference)
   return BuiltTrainer(trainer, progress, rows_multiple, mesh, graphdef)

@@ -79,7 +79,7 @@ class JobSetup:
   prompt_len: int
   engine_options: object | None = None  # rollout/vllm_engine.VllmOptions for 'vllm'
   agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
-  weights: WeightSyncConfig = WeightSyncConfig(transport="files")  # resolved: how weights travel
+  weights: WeightSyncConfig = WeightSyncConfig(transport="files")  # how weights travel
 
   @property
   def max_sequence_len(self) -> int:
@@ -119,7 +119,8 @@ def job_setup(cfg: JobConfig) -> JobSetup:
       qwen=qwen, math=math, sources=sources,
       trained_sources=tuple(quota) if quota else sources,
       prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math),
-      agent=agent, weights=WeightSyncConfig().resolve(cfg.cluster))
+      agent=agent, weights=WeightSyncConfig())
+  setup.weights.resolve(cfg.cluster)  # a transport the cluster cannot serve fails here
   _check_model_and_tasks(setup)
   if cfg.engine == "vllm":
     from knittrans_jax.rollout import vllm_engine  # vLLM only when asked for

@@ -86,9 +86,16 @@ def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) ->
   data_offset = _round(HEADER_AT + len(json.dumps({**head, "data_offset": 0,
                                                    "data_crc32c": 2**32 - 1})) + 32, PAGE)
   tmp = f"{path}.tmp{os.getpid()}"
+  size = data_offset + data_bytes
   with open(tmp, "w+b") as f:
-    f.truncate(data_offset + data_bytes)
-    mm = mmap.mmap(f.fileno(), data_offset + data_bytes)
+    try:  # reserved now: a full tmpfs is an error here, not a SIGBUS while writing
+      os.posix_fallocate(f.fileno(), 0, size)
+    except OSError as e:
+      os.unlink(tmp)
+      raise OSError(e.errno, f"weight segment {path}: no room for {size} bytes in "
+                    f"{os.path.dirname(path)} ({e.strerror}); free it or set "
+                    "WeightSyncConfig.transport = 'files'") from None
+    mm = mmap.mmap(f.fileno(), size)
   try:
     for e, p in zip(entries, pieces):
       dst = np.frombuffer(mm, np.dtype(jnp.dtype(e["dtype"])), int(np.prod(e["shape"])),
@@ -104,7 +111,7 @@ def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) ->
   finally:
     mm.close()
   os.replace(tmp, path)  # whole, or not there
-  return data_offset + data_bytes
+  return size
 
 
 def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:

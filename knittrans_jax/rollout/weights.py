@@ -12,7 +12,8 @@ Transports (`WeightSyncConfig.transport`):
            cluster: its actors may be anywhere, and the work dir is the one place all
            hosts reach) and hosts without a writable /dev/shm.
   'auto'   (default) 'shm' for a local run (JobConfig.cluster = 'local') when `shm_dir`
-           is a writable directory, else 'files'.
+           is a writable directory with room for two versions (a container's
+           /dev/shm is often 64 MB), else 'files'.
 Each part holds this process's shards (replica 0 of each, so every element is written
 once across processes), or each whole leaf when the process holds all of it. Leaves are
 published in the engine's dtype (`dtype` = 'engine': DecoderConfig.dtype, e.g.
@@ -67,16 +68,24 @@ class WeightSyncConfig:
       if getattr(self, name) not in allowed:
         raise ValueError(f"WeightSyncConfig.{name} = {getattr(self, name)!r}: one of {allowed}")
 
-  def resolve(self, cluster: str) -> WeightSyncConfig:
-    """This config with 'auto' decided for a run on `cluster` (JobConfig.cluster)."""
+  def resolve(self, cluster: str, nbytes: int = 0) -> WeightSyncConfig:
+    """This config with 'auto' decided for a run on `cluster` (JobConfig.cluster) whose
+    versions are `nbytes` each. Only the publisher needs it: subscribers read either."""
     if self.transport == "shm" and cluster != "local":
       raise ValueError(f"WeightSyncConfig.transport = 'shm' with JobConfig.cluster = "
                        f"{cluster!r}: trainer actors and rollout workers may be on different "
                        "hosts; use 'files' (or 'auto')")
     if self.transport != "auto":
       return self
-    shm = cluster == "local" and os.path.isdir(self.shm_dir) and os.access(self.shm_dir, os.W_OK)
+    shm = (cluster == "local" and os.path.isdir(self.shm_dir) and os.access(self.shm_dir, os.W_OK)
+           and shutil.disk_usage(self.shm_dir).free >= 2 * nbytes)  # new + the one engines hold
     return dataclasses.replace(self, transport="shm" if shm else "files")
+
+  def wire_bytes(self, params, model_config) -> int:
+    """The bytes of one published version of `params` (arrays or shapes)."""
+    dtype = self.wire_dtype(model_config)
+    return sum(int(np.prod(x.shape, dtype=np.int64)) * x.dtype.itemsize
+               for x in jax.tree.leaves(wire_template(params, dtype)))
 
   def wire_dtype(self, model_config) -> str | None:
     """The dtype floating leaves are published in; None: as the trainer holds them."""

@@ -65,8 +65,8 @@ class WorkerArgs:
   `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
   `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
   (VllmOptions for 'vllm') or None; `agent`: rollout/groups.AgentSource (the
-  'agentic' suite) or None; `weights`: the run's resolved rollout/weights.WeightSyncConfig
-  (None: leaves as the trainer holds them, crc32c checked)."""
+  'agentic' suite) or None; `weights`: the run's rollout/weights.WeightSyncConfig (its dtype
+  and checks; None: leaves as the trainer holds them, crc32c checked)."""
   seed: int
   n: int
   model_config: Any
