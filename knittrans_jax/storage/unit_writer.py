@@ -10,7 +10,7 @@ written whole, from the committed bytes the writer keeps (storage/whole_chunks.p
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import functools
 import json
 import os
 import socket
@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import tensorstore as ts
 
-from knittrans_jax.storage import file_chunks, io_thread
+from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.commit import Commit, read_commit, write_commit
 from knittrans_jax.storage.errors import CorruptUnitError, StoreError
@@ -83,7 +83,6 @@ class UnitWriter:
     self._reclaim_checked = 0.0
     self._load_committed()
     self._unsure = False  # a commit marker write failed: did it land? (see _write)
-    self._job: io_thread.Job | None = None  # the tokens' write of the last append
 
   def _load_committed(self) -> None:
     """The image index and the committed chunk tails, from the commit marker."""
@@ -102,16 +101,8 @@ class UnitWriter:
       hashes = self._arrays["images/hash"][first:self._commit.images].read().result()
       self._image_index = {hash_to_hex(h): first + i for i, h in enumerate(hashes)}
 
-  def _settle(self) -> None:
-    """Waits for the tokens' write of the last append, if it is still running (an
-    append that raised before it waited): nothing may write beside it."""
-    if self._job is not None:
-      self._job.wait()
-      self._job = None
-
   def _resync(self) -> None:
     """After an append whose outcome is unknown: continue from what the store holds."""
-    self._settle()
     if self._unsure:
       try:
         self._commit = read_commit(self.unit, self._arrays["commit"])
@@ -141,7 +132,6 @@ class UnitWriter:
   def drop_free_pools(self) -> int:
     """Deletes the chunk files kept for reuse (the writer will append no more: the end
     of a run); a later writer makes new files. Returns how many."""
-    self._settle()
     return self._reclaimer.drop_pools()
 
   @property
@@ -173,7 +163,8 @@ class UnitWriter:
       # unit's whole image index on every append).
       known = (pool if not dedup or not self._image_index else self._image_index if not pool
                else _Either(self._image_index, pool))
-      packed = pack_append(trajectories, self.schema, known)
+      packed = pack_append(trajectories, self.schema, known, out=functools.partial(
+          self._chunks.reserve_sequences, self._commit.tokens))
     if dedup:
       new = [(iid, im) for iid, im in pool.items() if iid not in self._image_index]
     else:  # a copy per reference, in reference order
@@ -244,12 +235,8 @@ class UnitWriter:
       np.cumsum(packed.turn_count, out=turn_end)
       turn_end += c.turns
       planes = (packed.tokens, packed.logprobs, packed.loss_mask)
-      if self._dir is not None and io_thread.ENABLED:  # beside the writes below (io_thread)
-        self._job = io_thread.submit(self._chunks.write_sequences, c.tokens, planes)
-        futures.append(self._job)
-      else:
-        futures.append(self._chunks.write_sequences(c.tokens, planes))
-      futures += [write("rows", c.rows, cols.T), write("reward", c.rows, packed.reward)]
+      futures += [self._chunks.write_sequences(c.tokens, planes),
+                  write("rows", c.rows, cols.T), write("reward", c.rows, packed.reward)]
       if refs.size:
         futures.append(write("image_refs", c.refs, refs))
       if packed.turns.size:
@@ -306,8 +293,8 @@ class _Either:
     return iid in self._a or iid in self._b
 
 
-# TrajMeta's fields, in the order _metas gives their values (checked at import, so a
-# new field fails here rather than leave records without it).
+# TrajMeta's fields, as _metas sets them (checked at import, so a new field fails
+# here rather than leave records without it).
 _META_FIELDS = ("unit", "row", "token_start", "prompt_len", "response_len", "source",
                 "group_id", "index_in_group", "version_first", "version_last", "reward",
                 "image_ids", "loss_tokens", "turns", "gen_seconds", "env_seconds")
@@ -319,18 +306,20 @@ def _metas(unit: str, first_row: int, sources, starts: np.ndarray, cols: np.ndar
            reward: np.ndarray, image_ids, turns) -> list[TrajMeta]:
   """The appended rows' records. Made as TrajMeta's __init__ would (it only sets the
   fields: asserted above) but with their dict set at once: a frozen dataclass sets
-  each field through object.__setattr__, 2.5 us a record against 0.9 here."""
+  each field through object.__setattr__, 2.5 us a record against 0.8 here."""
   c = cols.tolist()  # one conversion per column, not per value
   us = (cols[[L.GEN_US, L.ENV_US]] / 1e6).tolist()
-  values = zip(itertools.repeat(unit), range(first_row, first_row + len(starts)),
-               starts.tolist(), c[L.PROMPT_LEN], c[L.RESPONSE_LEN],
-               map(sources.__getitem__, c[L.SOURCE]), c[L.GROUP_ID], c[L.INDEX_IN_GROUP],
-               c[L.V_FIRST], c[L.V_LAST], reward.tolist(), image_ids, c[L.LOSS_TOKENS], turns,
-               us[0], us[1])
-  out, new, names = [], object.__new__, _META_FIELDS
-  for v in values:
+  out, new = [], object.__new__
+  for row, start, plen, rlen, src, gid, idx, v0, v1, rew, ids, loss, spans, gen, env in zip(
+      range(first_row, first_row + len(starts)), starts.tolist(), c[L.PROMPT_LEN],
+      c[L.RESPONSE_LEN], c[L.SOURCE], c[L.GROUP_ID], c[L.INDEX_IN_GROUP], c[L.V_FIRST],
+      c[L.V_LAST], reward.tolist(), image_ids, c[L.LOSS_TOKENS], turns, us[0], us[1]):
     meta = new(TrajMeta)
-    meta.__dict__.update(zip(names, v))
+    meta.__dict__.update(
+        unit=unit, row=row, token_start=start, prompt_len=plen, response_len=rlen,
+        source=sources[src], group_id=gid, index_in_group=idx, version_first=v0,
+        version_last=v1, reward=rew, image_ids=ids, loss_tokens=loss, turns=spans,
+        gen_seconds=gen, env_seconds=env)
     out.append(meta)
   return out
 

@@ -182,7 +182,7 @@ _FIELDS = operator.attrgetter(
 
 
 def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
-               known_images: Collection[str]) -> PackedAppend | None:
+               known_images: Collection[str], out=None) -> PackedAppend | None:
   """The call packed, if every trajectory has the usual types and passes every check;
   None otherwise (`_pack` then finds the first bad field, or packs what this pass
   does not take). Each check runs over one field of every trajectory at once (maps
@@ -238,13 +238,15 @@ def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
     zeros = _ZEROS[schema.max_prompt_len] = (np.zeros(schema.max_prompt_len, np.float32),
                                              np.zeros(schema.max_prompt_len, np.uint8))
   zf, zm = zeros
-  tokens = np.concatenate([x for pair in zip(ps, rs) for x in pair])
-  logprobs = np.concatenate([x for n, lp in zip(n_p, lps) for x in (zf[:n], lp)])
-  mask = np.concatenate([x for n, m in zip(n_p, ms) for x in (zm[:n], m)], dtype=np.uint8)
+  planes = out(sum(n_p) + sum(n_r)) if out is not None else None
+  tokens, logprobs, mask = planes or (None, None, None)
+  tokens = np.concatenate([x for pair in zip(ps, rs) for x in pair], out=tokens)
+  logprobs = np.concatenate([x for n, lp in zip(n_p, lps) for x in (zf[:n], lp)], out=logprobs)
+  parts = [x for n, m in zip(n_p, ms) for x in (zm[:n], m)]
+  mask = np.concatenate(parts, dtype=np.uint8) if mask is None else np.concatenate(parts, out=mask)
   reward = np.array(rewards, np.float64)
-  # A float32 sum is NaN or inf if any value is (and may overflow to inf with none:
-  # then `_pack` checks value by value); bool masks hold only 0 and 1.
-  if not (tokens.min() >= 0 and np.isfinite(logprobs.sum()) and np.isfinite(reward).all()
+  # Bool masks hold only 0 and 1.
+  if not (tokens.min() >= 0 and np.isfinite(logprobs).all() and np.isfinite(reward).all()
           and (set(map(_DTYPE, ms)) == _BOOLS or mask.max() <= 1)):
     return None
   cols = np.zeros((L.ROW_COLS, len(ps)), np.int64)  # row by row: faster than one np.array
@@ -261,11 +263,14 @@ def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
 
 
 def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
-                known_images: Collection[str]) -> PackedAppend:
+                known_images: Collection[str], out=None) -> PackedAppend:
   """Validates every trajectory; raises `TrajectoryValidationError` on the first bad field.
 
   `known_images`: the ids a trajectory may name (the unit's and the call's images;
-  the call's only when the store keeps a copy per trajectory).
+  the call's only when the store keeps a copy per trajectory). `out(n)`: where to
+  pack the call's n tokens (three planes: ids, log-probs, mask), or None for new
+  arrays (whole_chunks.WholeChunkAppender.reserve_sequences); a call that fails a
+  check may leave anything there.
 
   A call of the usual types is checked in one pass (`_pack_fast`: its value checks
   once over the packed call). Any other call, or one that fails a check there, is
@@ -275,7 +280,7 @@ def pack_append(trajectories: Sequence[Trajectory], schema: StoreSchema,
   """
   if not trajectories:
     raise ValueError("append needs at least one trajectory")
-  packed = _pack_fast(trajectories, schema, known_images)
+  packed = _pack_fast(trajectories, schema, known_images, out)
   if packed is not None:
     return packed
   try:

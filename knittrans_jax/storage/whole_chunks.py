@@ -93,7 +93,8 @@ class _SeqChunk:
   Tokens are put lazily: `put` keeps views of the appends' planes (the packed arrays
   of an append, which nothing changes after it), copied into the buffer only when
   the chunk is wanted whole (`whole`: a chunk with a crc32c, a remote or damaged
-  one), so the usual in-place append copies nothing here."""
+  one), so the usual in-place append copies nothing here; an append packed straight
+  into the buffer (`reserve`) leaves nothing to copy at all."""
 
   def __init__(self, c: int):
     self.buf = np.full(L.SEQ_BYTES * c, L.SEQ_FILL, np.uint8)  # once per writer
@@ -109,8 +110,14 @@ class _SeqChunk:
     # this put replaces them.
     while self._views and self._views[-1][0] >= at:
       self._views.pop()
-    self._views.append((at, planes))
+    if planes[0].base is not self.buf:  # else packed in place (reserve): nothing to copy
+      self._views.append((at, planes))
     self.dirty = max(self.dirty, at + len(planes[0]))
+
+  def reserve(self, at: int, n: int) -> list[np.ndarray]:
+    """The planes of tokens [at, at + n), for an append to pack its tokens into."""
+    self.dirty = max(self.dirty, at + n)  # whatever lands there: filled when wanted whole
+    return [p[at:at + n] for p in self.planes]
 
   def tokens(self, n: int) -> list[np.ndarray]:
     """The planes of tokens [0, n)."""
@@ -176,7 +183,7 @@ class WholeChunkAppender:
     # Local arrays other than `sequences`: the boundary chunk's buffer and how far
     # appends wrote into it ([buf, rows]; see _write_boundary), and its file's path.
     self._bufs: dict[str, list] = {}
-    self._paths: dict[tuple[str, int], str] = {}
+    self._paths: dict[str, tuple[int, str]] = {}
 
   def _start(self, name: str, extent: int) -> int:
     return extent - extent % self._chunk[name]
@@ -240,12 +247,10 @@ class WholeChunkAppender:
       buf[m:dirty] = fill
     entry[1] = m
     self._pending[name] = buf[:m]  # later appends write past it only
-    k = start // c
-    path = self._paths.get((name, k))
-    if path is None:
-      self._paths.clear()  # one boundary chunk per array at a time
-      path = file_chunks.chunk_path(self._dir + name, k, buf.ndim)
-      self._paths[name, k] = path
+    k, path = start // c, self._paths.get(name)
+    if path is None or path[0] != k:
+      path = self._paths[name] = (k, file_chunks.chunk_path(self._dir + name, k, buf.ndim))
+    path = path[1]
     try:
       # A chunk without committed rows takes a free file, if its array has one.
       file_chunks.replace(path, buf, self._crc[name], self._pool(name) if j == 0 else None,
@@ -253,6 +258,20 @@ class WholeChunkAppender:
     except Exception as e:
       return Written(e)
     return Written()
+
+  def reserve_sequences(self, extent: int, n: int) -> list[np.ndarray] | None:
+    """Where an append of n tokens at `extent` packs them (validation.pack_append's
+    `out`): the boundary chunk's buffer, if they end in that chunk and it is written
+    in place; None otherwise (they are packed into new arrays). Packed there, the
+    tokens are copied once and into pages the writer already holds; new arrays,
+    kept as the tail until the chunk is done, were fresh pages on every append,
+    which cost more than the copy itself."""
+    c = self._chunk["sequences"]
+    j = extent % c
+    if (not self._in_place or self._crc["sequences"] or j != self._seq_len
+        or j + n >= c):
+      return None
+    return self._buffer(self._cur).reserve(j, n)
 
   def write_sequences(self, extent: int, planes: tuple[np.ndarray, ...]):
     """Writes tokens [extent, extent + n) of `sequences` as whole chunks: `planes` are
