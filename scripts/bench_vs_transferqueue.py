@@ -25,8 +25,12 @@ log-probs, a loss mask, a float32 reward); `vlm` adds one float32 image of
                   then `get_data(meta)`; the producer clears the partition
                   (`clear_partition`).
   ours            a TrajectoryStore on file:///dev/shm (--dir; tmpfs), one
-                  long-lived unit a store (fresh rows every rep; --our_clear unit
-                  writes a fresh unit a rep and deletes it as the clear). The
+                  long-lived unit a store (fresh rows every rep). The clear
+                  (--our_clear): `retain` (default) raises the unit's low watermark
+                  past the rep once both consumers hold it and the writer reclaims
+                  its chunks (the job's retention, storage/retention.py: later reps
+                  append into the recycled files); `unit` writes a fresh unit a rep
+                  and deletes it; `none` keeps every rep. The
                   producer hashes each group's image once (Image.of) and appends
                   the rep in one `writer.append`; the metadata records it returns go
                   to the consumer processes (as the job's controller hands them out)
@@ -45,8 +49,8 @@ a long-lived job; payload generation is not timed):
                 of its jagged tensors' buffers (no copy); ours: the metadata records
                 sent to the consumers + store.read + np.stack into the batch.
                 get_api_s and batch_s split it (max over consumers).
-  clear_s       TQ: clear_partition; ours: 0 (the store reclaims nothing today:
-                issue 46), or deleting the rep's unit with --our_clear unit
+  clear_s       TQ: clear_partition; ours: store.retain_from + writer.reclaim
+                (--our_clear retain), deleting the rep's unit (unit), or 0 (none)
   end_to_end_s  put_s + get_s (end_to_end_with_clear_s adds clear_s)
 After the timing each consumer checks every trajectory it read: a CRC32 over its
 image, token ids and response log-probs, against the producer's (computed from the
@@ -465,7 +469,12 @@ def our_side(args):
     for r, c in zip(res, st["conns"]):
       r.update(c.recv())
     clear_s = 0.0
-    if args.our_clear == "unit":  # what reclaiming a consumed rep would cost
+    if args.our_clear == "retain":  # the rep is consumed: below the watermark, reclaimed
+      t0 = time.perf_counter()
+      store.retain_from(unit, writer.commit.rows)
+      writer.reclaim()
+      clear_s = time.perf_counter() - t0
+    elif args.our_clear == "unit":  # what reclaiming a consumed rep would cost
       t0 = time.perf_counter()
       root = store.url[len("file://"):]
       shutil.rmtree(os.path.join(root, unit))
@@ -610,9 +619,9 @@ def main():
   p.add_argument("--consumers", type=int, default=2)
   p.add_argument("--dir", default="/dev/shm", help="our stores go in a fresh folder here")
   p.add_argument("--venv", default=os.path.join(ROOT, ".cache", "venv-tq"))
-  p.add_argument("--our_clear", choices=("none", "unit"), default="none",
-                 help="none: our store keeps every rep (it reclaims nothing today); unit: a "
-                      "fresh unit a rep, deleted after it as the clear")
+  p.add_argument("--our_clear", choices=("retain", "unit", "none"), default="retain",
+                 help="retain: the consumed rep reclaimed by retention (the job's way); "
+                      "unit: a fresh unit a rep, deleted after it; none: every rep kept")
   p.add_argument("--node_address", default="127.0.0.3",
                  help="TQ's Ray node address: a loopback alias (Ray replaces 127.0.0.1 with "
                       "the host's routable address)")
@@ -720,9 +729,10 @@ def main():
                     "records sent to each consumer + store.read(metas).result() + np.stack of "
                     "token ids, log-probs and images (a row per trajectory at equal bytes, a "
                     "row per distinct image with dedup). CRC checks come after, untimed.",
-             "clear": "TQ: clear_partition. Ours: " + (
-                 "nothing (the store has no reclaim yet; it keeps every rep)"
-                 if args.our_clear == "none" else "deleting the rep's unit (rmtree)"),
+             "clear": "TQ: clear_partition. Ours: " + {
+                 "retain": "store.retain_from past the rep + writer.reclaim (retention)",
+                 "none": "nothing (it keeps every rep)",
+                 "unit": "deleting the rep's unit (rmtree)"}[args.our_clear],
              "end_to_end": "put_s + get_s; end_to_end_with_clear_s adds clear_s",
              "ratio": "TQ median / our median (above 1: ours is faster)",
              "warmup": "rep 0 of each is a warm-up, not counted (per_rep lists the counted)"}}
