@@ -213,3 +213,8 @@ def test_transport_auto_falls_back_to_files_where_shared_memory_cannot_serve(tmp
   pub.commit(0)
   assert sorted(os.listdir(tmp_path / "work" / "weights")) == ["LATEST", "v00000000"]
   assert WeightSubscriber(str(tmp_path / "work"), template()).poll()[0] == 0
+  # A run resumed on 'files' after one on 'shm' forgets the old run's segments.
+  shm_publisher(tmp_path).write_part(3, template())
+  shm_publisher(tmp_path).commit(3)
+  WeightPublisher(str(tmp_path / "work"), sync=gone.resolve("local"), version=0)
+  assert WeightSubscriber(str(tmp_path / "work"), template()).poll() is None

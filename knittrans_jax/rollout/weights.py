@@ -196,9 +196,9 @@ class WeightPublisher:
       for v in _versions(self.dir):
         if v > version:
           shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
-      if self.shm:
-        self.close()
-        self._unlink(lambda tag, pid, v: not _alive(pid))  # killed trainers' leftovers
+      self._drop_segments_pointer()  # a previous run's segments: gone, or going now
+      if self.shm:  # this work dir's leftovers, and what killed trainers left on the host
+        self._unlink(lambda tag, pid, v: tag == self.tag or not _alive(pid))
 
   def _segment(self, version: int, part: int) -> str:
     return os.path.join(self.shm_dir, f"knittrans-{self.tag}-{os.getpid()}-v{version:08d}-p{part}")
@@ -285,12 +285,17 @@ class WeightPublisher:
     map one keep it until they let go). A no-op for 'files'."""
     if not self.shm or self.process != 0:
       return
+    self._drop_segments_pointer()
+    self._unlink(lambda tag, pid, v: tag == self.tag)
+
+  def _drop_segments_pointer(self) -> None:
+    """Removes LATEST if it names segments (before they go, so no reader is told to
+    open one that is not there)."""
     if _read_latest(self.dir)[1] is not None:
       try:
         os.unlink(os.path.join(self.dir, "LATEST"))
       except FileNotFoundError:
         pass
-    self._unlink(lambda tag, pid, v: tag == self.tag)
 
 
 class WeightSyncError(RuntimeError):
