@@ -17,7 +17,7 @@ TEST_XLA := --xla_force_host_platform_device_count=8 --xla_backend_optimization_
 TEST_ENV := XLA_FLAGS="$(TEST_XLA)" JAX_PLATFORMS=cpu \
 	JAX_COMPILATION_CACHE_DIR=$(CURDIR)/.cache/jax JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0
 
-.PHONY: install install-vllm install-ray run test test-fast bench store-demo clean
+.PHONY: install install-vllm install-ray install-gpu install-tpu run test test-fast bench store-demo clean
 
 install: $(STAMP)
 
@@ -50,6 +50,18 @@ $(TEST_STAMP): $(STAMP) requirements-test.txt requirements-vllm.txt requirements
 	touch $(TEST_STAMP)
 
 install-vllm install-ray: $(TEST_STAMP)
+
+# Accelerator hosts, instead of the CPU builds above: JAX's CUDA plugin with vLLM's CUDA
+# build (and the torch it names), or JAX's TPU runtime; both with Ray. Each resolves
+# (`scripts/check_installs.py`, a dry run against the registries); neither has been run
+# on an accelerator here (README, "GPU and TPU hosts").
+install-gpu: $(STAMP)
+	$(INSTALL) -r requirements-vllm.txt -r requirements-ray.txt -r requirements-gpu.txt
+	touch $(VENV)/.installed-gpu
+
+install-tpu: $(STAMP)
+	$(INSTALL) -r requirements-ray.txt -r requirements-tpu.txt
+	touch $(VENV)/.installed-tpu
 
 # The whole suite, on TEST_WORKERS processes (pytest-xdist; tests that start a cluster
 # or an engine share one, tests/conftest.py). `make test-fast`: the tests not marked

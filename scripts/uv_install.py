@@ -9,6 +9,9 @@ those settings, as `pip config list` reports them, so both installers take the s
 packages from the same places.
 
 Usage (the Makefile's): .venv/bin/python scripts/uv_install.py -r requirements.txt
+`--no_pip_config` drops where pip's settings say packages come from (indexes, wheel
+directories, constraints; scripts/check_installs.py: what a GPU or TPU host without this
+machine's wheel directory and caps would resolve).
 """
 from __future__ import annotations
 
@@ -60,6 +63,9 @@ def main(argv: list[str]) -> int:
   listing = subprocess.run([sys.executable, "-m", "pip", "config", "list"],
                            capture_output=True, text=True, check=True).stdout
   flags, env = uv_options(pip_settings(listing))
+  if "--no_pip_config" in argv:  # the registries alone (certificate and timeout kept)
+    argv = [a for a in argv if a != "--no_pip_config"]
+    flags = []
   # pip picks the best version over all indexes and find-links together (the CPU
   # torch build on a wheel directory, say, over the index's CUDA one); so does this
   # strategy. PYTHONDONTWRITEBYTECODE machines would otherwise never get .pyc files.

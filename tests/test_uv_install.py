@@ -42,3 +42,28 @@ def test_no_index_and_an_empty_configuration():
   assert uv_install.uv_options(uv_install.pip_settings(""))[0] == []
   flags, _ = uv_install.uv_options(uv_install.pip_settings(":env:.no-index='yes'\n"))
   assert flags == ["--no-index"]
+
+
+def test_no_pip_config_keeps_the_certificate_and_drops_package_sources(monkeypatch, tmp_path):
+  """scripts/check_installs.py resolves as a host without this machine's wheel
+  directory and caps would: `--no_pip_config` drops the sources, keeps cert and timeout."""
+  (tmp_path / "uv").touch()
+  monkeypatch.setattr(uv_install.sys, "executable", str(tmp_path / "python"))
+  calls = []
+
+  class Done:
+    stdout, returncode = LISTING, 0
+
+  def run(cmd, **kw):
+    calls.append((cmd, kw.get("env")))
+    return Done()
+
+  monkeypatch.setattr(uv_install.subprocess, "run", run)
+  assert uv_install.main(["--no_pip_config", "--dry-run", "-r", "r.txt"]) == 0
+  cmd, env = calls[-1]
+  assert cmd[-3:] == ["--dry-run", "-r", "r.txt"] and "--no_pip_config" not in cmd
+  assert not [a for a in cmd if a.startswith(("--find-links", "--constraint", "--index-url",
+                                               "--extra-index-url"))]
+  assert env["SSL_CERT_FILE"] == "/etc/ssl/certs/ca-certificates.crt"
+  uv_install.main(["-r", "r.txt"])
+  assert "--find-links=/opt/wheels" in calls[-1][0]
