@@ -23,9 +23,13 @@ class Commit:
 
   def to_array(self) -> np.ndarray:
     out = np.zeros(L.COMMIT_LEN, np.int64)
-    out[[L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES, L.C_TURNS]] = (
-        self.format, self.rows, self.tokens, self.refs, self.images, self.image_bytes, self.turns)
+    out[:7] = (self.format, self.rows, self.tokens, self.refs, self.images, self.image_bytes,
+               self.turns)  # fields 0-6 (asserted below); a slice, once per append
     return out
+
+
+assert (L.C_FORMAT, L.C_ROWS, L.C_TOKENS, L.C_REFS, L.C_IMAGES, L.C_IMAGE_BYTES,
+        L.C_TURNS) == tuple(range(7))
 
 
 def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -> Commit:
@@ -63,5 +67,11 @@ def write_commit(array: ts.TensorStore, commit: Commit, local_dir: str | None = 
   if local_dir is None:
     array.write(commit.to_array()).result()
   else:
-    file_chunks.replace(file_chunks.chunk_path(local_dir + "commit", 0, 1), commit.to_array(),
-                        checksum=True, exchange=file_chunks.exchange_in(local_dir))
+    path = _PATHS.get(local_dir)
+    if path is None:
+      path = _PATHS[local_dir] = file_chunks.chunk_path(local_dir + "commit", 0, 1)
+    file_chunks.replace(path, commit.to_array(), checksum=True,
+                        exchange=file_chunks.exchange_in(local_dir))
+
+
+_PATHS: dict[str, str] = {}  # a local unit's directory -> its commit marker's file
