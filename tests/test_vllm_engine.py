@@ -1,7 +1,8 @@
 """The 'vllm' rollout engine (vLLM's CPU build, in this process) on a tiny random Llama
 checkpoint (head dim 32, the CPU kernels' smallest): seeds reproduce, behaviour
 log-probs equal the trainer's, a weight update equals a fresh engine on the new
-weights, requests in flight across an update record both versions."""
+weights, requests in flight across an update record both versions (re-prefilled, or
+sampling on the kept KV with VllmOptions.in_flight = 'keep')."""
 import dataclasses
 import sys
 
@@ -17,6 +18,7 @@ from knittrans_jax.rl import token_logprobs
 from knittrans_jax.rollout.engine import EngineSpec, GroupRequest, ToolInsert, response_seeds
 from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.sampler import SamplerConfig, _top_p_filter
+from knittrans_jax.rollout.vllm_engine import VllmOptions
 
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
@@ -127,6 +129,50 @@ def test_requests_in_flight_across_an_update_continue_on_the_new_weights(engine,
       np.testing.assert_allclose(r.logprobs[k:], fresh[k:], atol=1e-4)
       assert np.abs(old[k:] - fresh[k:]).max() > 1e-2  # the two weights differ there
   engine.update_weights(0, params)
+
+
+def test_keep_mode_samples_on_the_old_kv_and_reuses_no_old_prefix(engine, model):
+  """VllmOptions.in_flight = 'keep' (PipelineRL's): requests in flight keep the KV the
+  old weights computed, so their later tokens are not the re-prefilled ones; a request
+  after the update on the same prompt, whose full blocks the old weights cached, gets
+  the new weights' log-probs exactly (its prefix is salted with its version)."""
+  config, graphdef, params = model
+  sampler = dataclasses.replace(SAMPLER, stop_tokens=())
+  with_sampler(engine, sampler)
+  block = engine.engine.vllm_config.cache_config.block_size
+  prompt = np.random.default_rng(7).integers(2, 64, block + 4).astype(np.int32)
+  length = block + 4 + sampler.max_new_tokens + 2
+
+  def request(gid):
+    return GroupRequest(gid, "x", prompt, 2, response_seeds(0, gid, 2))
+
+  new = jax.tree.map(lambda x: np.asarray(x) * np.float32(1.3), params)
+  old_options = engine.options
+  engine.options = dataclasses.replace(old_options, in_flight="keep")
+  try:
+    engine.add([request(70)])
+    assert engine.step() == []
+    before = {rid: len(p[1]) for rid, p in engine.partial.items()}
+    engine.update_weights(2, new)
+    done = []
+    while engine.busy:
+      done += engine.step()
+    for i, r in enumerate(done[0].responses):
+      k = before[f"70:{i}"]
+      old = trainer_logprobs(graphdef, params, prompt, r.tokens, sampler, length)
+      fresh = trainer_logprobs(graphdef, new, prompt, r.tokens, sampler, length)
+      assert r.versions == (0, 2) and 0 < k < r.tokens.size
+      np.testing.assert_allclose(r.logprobs[:k], old[:k], atol=1e-4)
+      assert np.abs(r.logprobs[k:] - fresh[k:]).max() > 1e-3  # the old KV, not re-prefilled
+    for r in engine.generate([request(71)])[0].responses:
+      assert r.versions == (2, 2)
+      fresh = trainer_logprobs(graphdef, new, prompt, r.tokens, sampler, length)
+      np.testing.assert_allclose(r.logprobs, fresh, atol=1e-4)
+  finally:
+    engine.options = old_options
+    engine.update_weights(0, params)
+  with pytest.raises(ValueError, match=r"VllmOptions.in_flight = 'hold': one of"):
+    VllmOptions(in_flight="hold")
 
 
 def test_a_missing_vllm_a_small_head_or_an_unsupported_mode_is_a_clear_error(monkeypatch, model,

@@ -45,7 +45,8 @@ class VllmOptions:
   """kv_cache_bytes: KV-cache memory of each engine (on CPU, host memory);
   max_num_seqs: sequences decoded together; enforce_eager: no CUDA graphs / compile
   (start in seconds; False for speed on GPUs); dtype: the engine's compute dtype;
-  prefix_caching: the n responses of a prompt share its prefill."""
+  prefix_caching: the n responses of a prompt share its prefill; in_flight: what a weight
+  update does to the requests in flight (IN_FLIGHT_MODES)."""
   kv_cache_bytes: int = 256 << 20
   max_num_seqs: int = 256
   enforce_eager: bool = True
@@ -56,6 +57,26 @@ class VllmOptions:
   # cores, so a host's several workers (and its trainer) would share them; 'nobind'
   # leaves placement to the OS. A CPU list ("0-3") pins this engine. CPU build only.
   cpu_bind: str = "nobind"
+  in_flight: str = "reprefill"
+
+  def __post_init__(self):
+    if self.in_flight not in IN_FLIGHT_MODES:
+      raise ValueError(f"VllmOptions.in_flight = {self.in_flight!r}: one of "
+                       f"{sorted(IN_FLIGHT_MODES)}")
+
+
+# A weight update with requests in flight. Both record (first, last) versions per response.
+IN_FLIGHT_MODES = {
+    # Exact: running requests are preempted and re-prefilled on the new weights, so
+    # every token after the update is the new weights' (prompt and earlier tokens
+    # recomputed: the cost grows with the tokens in flight).
+    "reprefill": "preempt and re-prefill on the new weights",
+    # PipelineRL's: running requests keep the KV the old weights computed and sample on
+    # with the new ones (no recompute; a token's log-prob mixes both versions). Each
+    # request's prefix is salted with the version it started on, so no later request
+    # reuses a prefix the old weights computed.
+    "keep": "keep the old weights' KV, sample on with the new",
+}
 
 
 def check_available() -> None:
@@ -108,7 +129,7 @@ class VllmEngine(RolloutEngine):
     if s.greedy:
       raise ValueError("SamplerConfig.greedy with the 'vllm' engine: greedy decoding (held-out "
                        "evaluation) runs on the JAX sampler")
-    self.spec, self.version = spec, version
+    self.spec, self.version, self.options = spec, version, opts
     self._Sampling, self._Kind = SamplingParams, RequestOutputKind
     path = os.path.join(spec.workdir or ".", "hf")
     shutil.rmtree(path, ignore_errors=True)
@@ -152,6 +173,8 @@ class VllmEngine(RolloutEngine):
         raise ValueError(f"group {r.group_id} is already in the engine")
       self.groups[r.group_id] = (r, {})
       prompt = {"prompt_token_ids": [int(t) for t in r.prompt]}
+      if self.options.in_flight == "keep":
+        prompt["cache_salt"] = f"v{self.version}"
       for i, seed in enumerate(r.seeds):
         self.engine.add_request(f"{r.group_id}:{i}", prompt, self._params(seed))
 
@@ -186,9 +209,11 @@ class VllmEngine(RolloutEngine):
   def update_weights(self, version: int, params) -> None:
     t0 = time.perf_counter()
     self.engine.collective_rpc("knittrans_load", args=(hf_tensors(params),))
-    # Drops the old weights' cached prefixes and re-prefills requests in flight.
-    if not self.engine.reset_prefix_cache(reset_running_requests=True):
-      raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+    if self.options.in_flight == "reprefill":
+      # Drops the old weights' cached prefixes and re-prefills requests in flight.
+      if not self.engine.reset_prefix_cache(reset_running_requests=True):
+        raise RuntimeError("vLLM did not reset its prefix cache after a weight update")
+    # 'keep': the running requests' KV stays; later requests carry the new version's salt.
     self.version = version
     self.weight_update_s.append(time.perf_counter() - t0)
 
