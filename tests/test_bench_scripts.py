@@ -264,7 +264,7 @@ def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path):
   trace.json; --resimulate gives the same replays (seeded)."""
   out = tmp_path / "rs.json"
   proc = subprocess.run([sys.executable, "scripts/real_staleness.py", "--gin_file",
-                         "configs/agentic_test.gin", "--seeds", "0", "--train_batches", "3",
+                         "configs/agentic_test.gin", "--seeds", "0", "--train_batches", "2",
                          "--skip_train_batches", "1", "--windows", "2", "--dispatch", "shuffled",
                          "--json", str(out)], capture_output=True, text=True, timeout=600,
                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
