@@ -42,7 +42,8 @@ For the JAX engine: seconds per weight update from the trainer's arrays to the e
 through the job's own WeightPublisher / WeightSubscriber (rollout/weights.py), on the
 run's transport (WeightSyncConfig: shared memory by default) and on the old one ('files':
 .npz parts in a work dir on /dev/shm, `old_path`), each beside a numpy copy of the same
-bytes timed in the same run (`copy_s`, `weight_update_vs_copy`). One update is a
+bytes timed in the same run (`copy_s`, `weight_update_vs_copy`; `copy_warm_s`, the
+same copy into memory touched before, `weight_update_vs_warm_copy`). One update is a
 publish (write_part + commit), one worker's poll and the engine's update_weights.
 
 `--model`: a model gin file (configs/models/) read after the workload's, with the
@@ -175,12 +176,14 @@ def weight_updates(engine, params, model_cfg, sync: WeightSyncConfig, updates: i
                    workdir: str) -> dict:
   """`updates` versions of `params` (the trainer's device arrays) published on `sync`'s
   transport, read by one subscriber and loaded by `engine`; each beside a numpy copy of
-  the published bytes, timed in between."""
+  the published bytes, timed in between: `copy_s` into new memory (np.array, page faults
+included, as the update's own writes have them), `copy_warm_s` into memory touched
+before (bandwidth alone)."""
   dtype = sync.wire_dtype(model_cfg)
   pub = WeightPublisher(workdir, sync=sync, dtype=dtype, version=0)
   sub = WeightSubscriber(workdir, wire_template(params, dtype), verify=sync.verify)
-  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": []}
-  nbytes = 0
+  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": [], "copy_warm_s": []}
+  nbytes, warm = 0, None
   try:
     for v in tqdm(range(1, updates + 1), desc=f"{sync.transport} updates", leave=False):
       t = time.perf_counter()
@@ -197,6 +200,12 @@ def weight_updates(engine, params, model_cfg, sync: WeightSyncConfig, updates: i
       t4 = time.perf_counter()
       copies = [np.array(x, copy=True) for x in leaves]
       steps["copy_s"].append(time.perf_counter() - t4)
+      # The same copy into memory touched before: memory bandwidth alone, no page faults.
+      warm = warm or [np.ones_like(x) for x in leaves]
+      t5 = time.perf_counter()
+      for dst, x in zip(warm, leaves):
+        np.copyto(dst, x)
+      steps["copy_warm_s"].append(time.perf_counter() - t5)
       del copies, got, leaves
       for key, dt in (("publish_s", t1 - t), ("subscribe_s", t2 - t1), ("load_s", t3 - t2)):
         steps[key].append(dt)
@@ -208,7 +217,8 @@ def weight_updates(engine, params, model_cfg, sync: WeightSyncConfig, updates: i
          **{k: _median(x) for k, x in steps.items()}, "runs": {**steps, "weight_update_s": per}}
   copy = max(out["copy_s"], 1e-12)
   out.update(weight_update_vs_copy=out["weight_update_s"] / copy,
-             engine_side_vs_copy=(out["subscribe_s"] + out["load_s"]) / copy)
+             engine_side_vs_copy=(out["subscribe_s"] + out["load_s"]) / copy,
+             weight_update_vs_warm_copy=out["weight_update_s"] / max(out["copy_warm_s"], 1e-12))
   return out
 
 
@@ -367,10 +377,11 @@ def main():
   if "jax" in out["engines"]:
     r = out["engines"]["jax"]
     print(f"\njax weight update ({r['weight_bytes'] / 1e9:.2f} GB)  publish s  subscribe s  "
-          "load s  update s  copy s  update/copy")
+          "load s  update s  copy s  update/copy  warm copy s  update/warm")
     for label, w in (("shm", r), ("files (old)", r["old_path"])):
       print(f"  {label:<30} {w['publish_s']:9.3f} {w['subscribe_s']:12.3f} {w['load_s']:7.3f} "
-            f"{w['weight_update_s']:9.3f} {w['copy_s']:7.3f} {w['weight_update_vs_copy']:12.2f}")
+            f"{w['weight_update_s']:9.3f} {w['copy_s']:7.3f} {w['weight_update_vs_copy']:12.2f} "
+            f"{w['copy_warm_s']:12.3f} {w['weight_update_vs_warm_copy']:12.2f}")
   if "vllm" in out["engines"]:
     r = out["engines"]["vllm"]
     print(f"vllm weight update {r['weight_update_s'] * 1e3:.1f} ms for {r['weight_bytes'] / 1e6:.2f} MB "

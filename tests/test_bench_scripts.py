@@ -307,5 +307,6 @@ def test_bench_rollout_weights_only_times_both_weight_paths(tmp_path, monkeypatc
   assert r["config"]["parameters"] == 512 * 64 + 2 * block + 64
   for w, transport in ((jax_, "shm"), (jax_["old_path"], "files")):
     assert w["transport"] == transport and w["weight_bytes"] == 4 * r["config"]["parameters"]
-    assert all(len(w["runs"][k]) == 2 for k in ("publish_s", "subscribe_s", "load_s", "copy_s"))
+    assert all(len(w["runs"][k]) == 2
+               for k in ("publish_s", "subscribe_s", "load_s", "copy_s", "copy_warm_s"))
   assert not glob.glob(f"/dev/shm/knittrans-*-{os.getpid()}-*")
