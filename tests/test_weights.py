@@ -3,6 +3,7 @@ worker's host; stale versions of a longer run removed on resume; pruning. Shared
 memory: exact zero-copy round trip, the engine's dtype, release, damage named,
 the fallback to files."""
 import dataclasses
+import errno
 import os
 import shutil
 import subprocess
@@ -218,3 +219,13 @@ def test_transport_auto_falls_back_to_files_where_shared_memory_cannot_serve(tmp
   shm_publisher(tmp_path).commit(3)
   WeightPublisher(str(tmp_path / "work"), sync=gone.resolve("local"), version=0)
   assert WeightSubscriber(str(tmp_path / "work"), template()).poll() is None
+
+
+def test_shm_without_room_is_a_named_error_and_leaves_no_file(tmp_path, monkeypatch):
+  def full(fd, offset, size):
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+  monkeypatch.setattr(os, "posix_fallocate", full)
+  pub = shm_publisher(tmp_path)
+  with pytest.raises(OSError, match=r"no room for \d+ bytes in .*shm .*transport = 'files'"):
+    pub.write_part(0, template())
+  assert segments(tmp_path) == []
