@@ -9,6 +9,7 @@ import time
 
 import psutil
 import pytest
+from process_helpers import rollout_workers
 
 from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.storage import TrajectoryStore
@@ -146,8 +147,7 @@ def test_worker_killed_mid_run(tmp_path):
   work = tmp_path / "run"
   proc = start(work, "JobConfig.train_batches = 4")
   wait_for_steps(work, 3, proc)
-  workers = [c for c in psutil.Process(proc.pid).children()
-             if "spawn_main" in " ".join(c.cmdline())]
+  workers = rollout_workers(proc.pid)
   assert len(workers) == 2, [c.cmdline() for c in psutil.Process(proc.pid).children()]
   workers[0].send_signal(signal.SIGKILL)
   out = finish(proc)

@@ -12,6 +12,7 @@ import time
 import psutil
 import pytest
 from test_job import KEEP_ROWS, check_trained, finish, start, wait_for_steps
+from process_helpers import rollout_workers
 
 from knittrans_jax import gin_cli
 from knittrans_jax.job.metrics import read_metrics
@@ -64,8 +65,7 @@ def test_a_hung_worker_stops_the_run_with_a_named_error(tmp_path):
   deadline = time.time() + 120
   worker = None
   while worker is None and time.time() < deadline and proc.poll() is None:
-    worker = next((c for c in psutil.Process(proc.pid).children()
-                   if "spawn_main" in " ".join(c.cmdline())), None)
+    worker = next(iter(rollout_workers(proc.pid)), None)
     time.sleep(0.05)
   assert worker is not None, "no worker process appeared"
   worker.suspend()  # SIGSTOP while it still compiles: alive but silent, as a hung worker is

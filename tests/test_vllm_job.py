@@ -20,6 +20,7 @@ import numpy as np
 import psutil
 import pytest
 from test_job import KEEP_ROWS, finish, start
+from process_helpers import rollout_workers
 
 from knittrans_jax.job.metrics import read_metrics
 
@@ -47,8 +48,7 @@ def test_vllm_job_worker_killed_every_trajectory_once_reward_rises_logprobs_exac
     time.sleep(0.1)
   time.sleep(2.0)  # the window is dispatched; an engine takes longer than this to start
   assert not records_exist(work)
-  workers = [c for c in psutil.Process(proc.pid).children()
-             if "spawn_main" in " ".join(c.cmdline())]
+  workers = rollout_workers(proc.pid)
   assert len(workers) == 1, [c.cmdline() for c in psutil.Process(proc.pid).children()]
   workers[0].send_signal(signal.SIGKILL)
   out = finish(proc, timeout=300)

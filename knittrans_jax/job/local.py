@@ -21,7 +21,7 @@ from knittrans_jax.job.local_trainer import LocalTrainer
 from knittrans_jax.job.roles import RolloutPool
 from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, job_setup,
                                      make_evaluator, store_url, worker_args)
-from knittrans_jax.job.workers import ColocatedPool, WorkerPool
+from knittrans_jax.job.workers import ColocatedPool, WorkerPool, prestart
 from knittrans_jax.rollout.groups import rollout_groups
 
 
@@ -66,6 +66,8 @@ def build_local(workdir: str, resume: bool = False) -> LocalRun:
   url = store_url(workdir, cfg)
   store = create_store(setup, url)
   host = socket.gethostname()  # as local workers register their units (locality)
+  if cfg.mode != "colocated":
+    prestart()  # the workers' fork server imports while the trainer is built
   built = make_trainer(setup, workdir, store, Placement(0, 1, consumers, host), resume)
   driver = Driver(setup, workdir, LocalTrainer(built, workdir, host), store,
                   consumers=consumers, resume=resume,

@@ -1,8 +1,9 @@
 """The rollout side of a local run: pools (job/roles.RolloutPool) that take (group
 id, source) requests and return Finished / Failed events.
 
-WorkerPool      `workers` rollout processes on this host (spawned, one CPU device
-                each). A dead one is restarted: the groups it held that are fully
+WorkerPool      `workers` rollout processes on this host (one CPU device each),
+                forked from a fork server that imported their modules once
+                (`worker_context`). A dead one is restarted: the groups it held that are fully
                 committed in its unit count as finished, the rest are reported
                 failed (the controller replaces them). A worker that dies
                 MAX_COLD_DEATHS times in a row without finishing a group cannot
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing as mp
+import os
 import queue
 import time
 from typing import Callable
@@ -26,6 +28,29 @@ from knittrans_jax.rollout.worker import GroupDone, GroupFailed, WorkerArgs, Wor
 from knittrans_jax.storage import TrajectoryStore
 
 MAX_COLD_DEATHS = 3  # deaths in a row before a worker's first group: it cannot start
+
+# What a rollout worker imports (rollout/worker.worker_main), imported once by the fork
+# server instead of by every worker: a spawned worker spends some 2-3 s of CPU on
+# these imports, paid again by its twin and by every restart (docs/status.md, "Tests").
+_PRELOAD = ["knittrans_jax.rollout.worker", "knittrans_jax.rollout.engines",
+            "knittrans_jax.rollout.agent_loop", "knittrans_jax.rollout.groups",
+            "knittrans_jax.rollout.weights", "knittrans_jax.models.vlm", "knittrans_jax.storage"]
+
+
+def worker_context():
+  """The start method of local rollout workers: a fork server with the workers' modules
+  imported (no JAX backend started there, so forking it is safe). A worker takes this
+  process's environment at its start (worker_main's `env`), not the fork server's."""
+  ctx = mp.get_context("forkserver")
+  ctx.set_forkserver_preload(_PRELOAD)
+  return ctx
+
+
+def prestart() -> None:
+  """Starts the fork server now, so that its imports overlap the trainer's set-up."""
+  worker_context()
+  from multiprocessing import forkserver
+  forkserver.ensure_running()
 
 
 def release(store: TrajectoryStore, held: dict, w: int, n: int, why: str) -> list:
@@ -52,7 +77,7 @@ class WorkerPool:
                store: TrajectoryStore, log: Callable[[str], None] = print):
     self.workdir, self.store, self.store_url = workdir, store, store_url
     self.args, self.log = worker_args, log
-    self._ctx = mp.get_context("spawn")
+    self._ctx = worker_context()
     self.reports, self.stop = self._ctx.Queue(), self._ctx.Event()
     self.procs: dict[int, mp.Process] = {}
     self.requests: dict[int, mp.Queue] = {}
@@ -66,7 +91,8 @@ class WorkerPool:
   def _start(self, w: int) -> None:
     self.requests[w] = self._ctx.Queue()
     p = self._ctx.Process(target=worker_main, daemon=True, args=(
-        w, self.workdir, self.store_url, self.args, self.requests[w], self.reports, self.stop))
+        w, self.workdir, self.store_url, self.args, self.requests[w], self.reports, self.stop),
+        kwargs={"env": dict(os.environ)})
     p.start()
     self.procs[w] = p
 

@@ -88,12 +88,38 @@ def one_device_xla_flags(flags: str) -> str:
                   if not f.startswith("--xla_force_host_platform_device_count"))
 
 
+# JAX options read from the environment when JAX is imported: a worker forked from a
+# fork server that imported JAX earlier (job/workers.py) sets them from its own.
+_JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_ENABLE_X64": ("jax_enable_x64", None),
+            "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
+                ("jax_persistent_cache_min_compile_time_secs", float)}
+
+
+def _take_environment(env: dict) -> None:
+  """This process's environment becomes `env` (the parent's at the worker's start), and
+  the JAX options read from it at import follow it. Before any JAX backend starts."""
+  os.environ.clear()
+  os.environ.update(env)
+  import jax
+  for name, (option, kind) in _JAX_ENV.items():
+    if name in env:
+      value = env[name]
+      if kind is None:  # a boolean, as JAX reads it
+        value = value.lower() in ("1", "true", "yes", "on")
+      jax.config.update(option, kind(value) if kind else value)
+
+
 def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, requests,
-                reports, stop, host: str | None = None) -> None:
+                reports, stop, host: str | None = None, env: dict | None = None) -> None:
+  """A worker's loop, until a None request or `stop`. `env`: the environment to take
+  first (a process forked from job/workers.py's fork server)."""
   if threading.current_thread() is threading.main_thread():  # a process of its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the trainer decides when workers stop
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
+    env = dict(os.environ if env is None else env)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env["XLA_FLAGS"] = one_device_xla_flags(env.get("XLA_FLAGS", ""))
+    _take_environment(env)
   from flax import nnx
 
   from knittrans_jax.models.vlm import make_model
