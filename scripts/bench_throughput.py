@@ -11,7 +11,10 @@ machine hits every configuration alike, with held-out evaluation off. Throughput
 trajectories per second in steady state: over the steps after the first
 --skip_train_batches train batches, from each step's `time_s` in metrics.jsonl, so
 start-up and compilation are left out. Writes per configuration every run's figure,
-their mean, min and max, and the mean architectural staleness of each run. Run it
+their mean, min and max, and each run's mean architectural staleness and engine-vs-
+trainer log-prob difference (|difference| mean and max over tokens at version lag 0,
+as the job's summary reports them; e.g. `VllmOptions.in_flight` 'reprefill' against
+'keep', docs/rollout.md). Run it
 with nothing else on the machine: every process of a run shares its cores.
 """
 from __future__ import annotations
@@ -104,6 +107,8 @@ def main():
           skip = args.skip_train_batches * per_batch
           runs[name].append({"traj_per_s": steady_traj_per_s(wd, skip),
                              "arch_staleness_mean": summary["arch_staleness_mean"],
+                             "logprob_abs_diff_mean": summary["logprob_abs_diff_mean"],
+                             "logprob_abs_diff_max": summary["logprob_abs_diff_max"],
                              "wall_s": summary["wall_s"]})
           bar.update()
   finally:
@@ -123,8 +128,11 @@ def main():
   for name, c in out["configurations"].items():
     runs_ = ", ".join(f"{r['traj_per_s']:.0f}" for r in c["runs"])
     stale = ", ".join(f"{r['arch_staleness_mean']:.2f}" for r in c["runs"])
+    gap = ", ".join("-" if r["logprob_abs_diff_mean"] is None else
+                    f"{r['logprob_abs_diff_mean']:.2g}/{r['logprob_abs_diff_max']:.2g}"
+                    for r in c["runs"])
     print(f"  {name:<40} mean {c['traj_per_s_mean']:7.1f} traj/s  (runs {runs_}; "
-          f"mean max(a,0) {stale})")
+          f"mean max(a,0) {stale}; log-prob |diff| mean/max {gap})")
   print(f"wrote {args.json}")
 
 

@@ -222,6 +222,9 @@ def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
   for c in r["configurations"].values():
     x = [run["traj_per_s"] for run in c["runs"]]
     assert len(x) == 2 and all(v > 0 for v in x)
+    # The engine's behaviour log-probs against the trainer's (the JAX engine: equal).
+    assert all(0 <= run["logprob_abs_diff_mean"] <= run["logprob_abs_diff_max"] < 1e-3
+               for run in c["runs"])
     assert c["traj_per_s_min"] == min(x) <= c["traj_per_s_mean"] <= max(x) == c["traj_per_s_max"]
   # The two settings give different staleness: the bindings reached the runs.
   assert r["configurations"]["tb"]["runs"][0]["arch_staleness_mean"] != \
