@@ -28,10 +28,10 @@ WORKLOADS = {"agentic": ("configs/agentic_tails.gin", []),
 FULL = {"agentic": dict(train_batches=20, skip=3), "long_tails": dict(train_batches=6, skip=2),
         "long_tails_frozen": dict(train_batches=6, skip=2)}
 # --quick: one seed, two train batches, the three baselines and one constraint-
-# preserving window, on the agentic workload only (the long-tails frontiers are full
-# size only): the path runs and its figure is drawn, the figure is not the result.
+# preserving window, on every workload: the path runs and each frontier is drawn, the
+# figures are not the results.
 QUICK = dict(seeds="0", train_batches=2, skip=1, windows="4", dispatch="shuffled",
-             workloads=("agentic",))
+             workloads=tuple(WORKLOADS))
 STYLE = {("train_batch", "shuffled"): ("tab:red", "train_batch"),
          ("constraint_preserving", "shuffled"): ("tab:blue", "constraint_preserving"),
          ("constraint_preserving", "quota_aware"): ("tab:green",
