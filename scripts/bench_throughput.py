@@ -14,8 +14,8 @@ start-up and compilation are left out. Writes per configuration every run's figu
 their mean, min and max, and each run's mean architectural staleness and engine-vs-
 trainer log-prob difference (|difference| mean and max over tokens at version lag 0,
 as the job's summary reports them; e.g. `VllmOptions.in_flight` 'reprefill' against
-'keep', docs/rollout.md). Run it
-with nothing else on the machine: every process of a run shares its cores.
+'keep', docs/rollout.md). Run it with nothing else on the machine: every process of
+a run shares its cores.
 """
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import time
 
 import psutil
 import pytest
-from test_job import KEEP_ROWS, check_trained, finish, start, wait_for_steps
 from process_helpers import rollout_workers
+from test_job import KEEP_ROWS, check_trained, finish, start, wait_for_steps
 
 from knittrans_jax import gin_cli
 from knittrans_jax.job.metrics import read_metrics

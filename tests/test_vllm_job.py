@@ -19,8 +19,8 @@ import time
 import numpy as np
 import psutil
 import pytest
-from test_job import KEEP_ROWS, finish, start
 from process_helpers import rollout_workers
+from test_job import KEEP_ROWS, finish, start
 
 from knittrans_jax.job.metrics import read_metrics
 

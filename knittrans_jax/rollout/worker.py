@@ -89,11 +89,10 @@ def one_device_xla_flags(flags: str) -> str:
 
 
 # JAX options read from the environment when JAX is imported: a worker forked from a
-# fork server that imported JAX earlier (job/workers.py) sets them from its own.
-_JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_ENABLE_X64": ("jax_enable_x64", None),
-            "JAX_COMPILATION_CACHE_DIR": ("jax_compilation_cache_dir", str),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS":
-                ("jax_persistent_cache_min_compile_time_secs", float)}
+# fork server that imported JAX earlier (job/workers.py) sets them from its own (the
+# compilation cache's through compile_cache.enable). Booleans as JAX reads them.
+_JAX_ENV = {"JAX_PLATFORMS": ("jax_platforms", str), "JAX_ENABLE_X64": ("jax_enable_x64", bool)}
+_TRUE = ("y", "yes", "t", "true", "on", "1")
 
 
 def _take_environment(env: dict) -> None:
@@ -102,12 +101,13 @@ def _take_environment(env: dict) -> None:
   os.environ.clear()
   os.environ.update(env)
   import jax
+
+  from knittrans_jax import compile_cache
   for name, (option, kind) in _JAX_ENV.items():
     if name in env:
       value = env[name]
-      if kind is None:  # a boolean, as JAX reads it
-        value = value.lower() in ("1", "true", "yes", "on")
-      jax.config.update(option, kind(value) if kind else value)
+      jax.config.update(option, value.lower() in _TRUE if kind is bool else value)
+  compile_cache.enable(None)  # the parent's cache, if its environment names one
 
 
 def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, requests,
