@@ -43,6 +43,7 @@ CONFIGURABLE_MODULES = (
     "knittrans_jax.rollout.qwen_vision_tasks",
     "knittrans_jax.rollout.sampler",
     "knittrans_jax.rollout.vllm_engine",
+    "knittrans_jax.rollout.vllm_server_engine",
     "knittrans_jax.rollout.weights",
     "knittrans_jax.sim.config",
     "knittrans_jax.storage.schema",

@@ -225,6 +225,15 @@ COVER: dict[str, Cover] = {
     # docs/rollout.md
     ".venv/bin/python scripts/train.py --gin_file configs/text_grpo_vllm.gin --workdir runs/vllm":
         Cover("check", toy="tests/test_vllm_job.py"),
+    "VLLM_SERVER_DEV_MODE=1 .venv/bin/python -m vllm.entrypoints.openai.api_server --model CKPT "
+    "--host 127.0.0.1 --port 8000 --skip-tokenizer-init --dtype float32 --logprobs-mode "
+    "processed_logprobs --worker-extension-cls knittrans_jax.rollout.vllm_weights.WeightLoader "
+    "--max-model-len 256": Cover(
+        "excluded", toy="tests/test_vllm_server.py",
+        why="starts a server that stays up (on the reader's checkpoint CKPT); the test starts "
+            "the same flags (knittrans_jax/testing/vllm_server.server_command) on a tiny one"),
+    ".venv/bin/python scripts/train.py --gin_file configs/text_grpo_vllm_server.gin --workdir "
+    "runs/vllm_server": Cover("check", toy="tests/test_vllm_server.py"),
     # docs/agents.md
     ".venv/bin/python scripts/train.py --gin_file configs/agentic_tails.gin --workdir runs/agentic "
     "--overwrite": Cover("check", toy="tests/test_agentic_job.py"),

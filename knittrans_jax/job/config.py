@@ -59,9 +59,11 @@ class JobConfig:
   engine: the rollout engine of the workers (rollout/engine.py): 'jax' (the project's
     sampler, a static batch of up to `groups_per_call` groups per call; every suite) or
     'vllm' (an in-process vLLM engine per worker, continuous batching, each group
-    reported the step it finishes; text and math suites, head dim >= 32 on CPU;
-    VllmOptions). Held-out evaluation runs the JAX sampler; the colocated mode (the
-    JAX sampler in the trainer process) refuses 'vllm'.
+    reported the step it finishes; text, math and agentic suites, head dim >= 32 on
+    CPU; VllmOptions) or 'vllm_server' (a vLLM server per worker that the user runs on
+    the worker's host, VllmServerOptions.urls; docs/rollout.md). Held-out evaluation
+    runs the JAX sampler; the colocated mode (the JAX sampler in the trainer process)
+    refuses both vLLM engines.
   cluster: where the roles run: 'local' (this process trains; rollout workers are its
     child processes; no Ray) or 'ray' (this process is the controller; trainers and
     rollout workers are Ray actors, RayConfig; cluster/, docs/distributed.md).
@@ -136,13 +138,13 @@ class JobConfig:
       self.consumers_for(1)  # its rules, checked early
     if self.engine not in ENGINES:
       raise ValueError(f"JobConfig.engine = {self.engine!r}: use one of {ENGINES}")
-    if self.engine == "vllm" and self.mode == "colocated":
-      raise ValueError("JobConfig.engine = 'vllm' with mode 'colocated': the colocated reference "
-                       "generates in the trainer process with the JAX sampler; mode "
+    if self.engine != "jax" and self.mode == "colocated":
+      raise ValueError(f"JobConfig.engine = {self.engine!r} with mode 'colocated': the colocated "
+                       "reference generates in the trainer process with the JAX sampler; mode "
                        "'synchronous' runs the colocated schedule on the vLLM workers")
-    if self.engine == "vllm" and self.suite == "vision":
-      raise ValueError("JobConfig.engine = 'vllm' with suite 'vision': the VLMs roll out on the "
-                       "'jax' engine (docs/rollout.md says why)")
+    if self.engine != "jax" and self.suite == "vision":
+      raise ValueError(f"JobConfig.engine = {self.engine!r} with suite 'vision': the VLMs roll "
+                       "out on the 'jax' engine (docs/rollout.md says why)")
     if self.cluster not in CLUSTERS:
       raise ValueError(f"JobConfig.cluster = {self.cluster!r}: use one of {CLUSTERS}")
     if self.groups_per_call < 1:

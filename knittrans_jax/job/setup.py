@@ -77,7 +77,7 @@ class JobSetup:
   sources: tuple[str, ...]  # the suite's
   trained_sources: tuple[str, ...]  # the quota's, or the whole suite without one
   prompt_len: int
-  engine_options: object | None = None  # rollout/vllm_engine.VllmOptions for 'vllm'
+  engine_options: object | None = None  # VllmOptions / VllmServerOptions (the vLLM engines)
   agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
   weights: WeightSyncConfig = WeightSyncConfig(transport="files")  # how weights travel
 
@@ -127,6 +127,15 @@ def job_setup(cfg: JobConfig) -> JobSetup:
     vllm_engine.check_available()  # before any process starts: what to install
     vllm_engine.check_model(setup.model)
     opts = vllm_engine.VllmOptions()
+    setup = dataclasses.replace(setup, engine_options=dataclasses.replace(
+        opts, max_model_len=opts.max_model_len or setup.max_sequence_len))
+  if cfg.engine == "vllm_server":
+    from knittrans_jax.rollout.vllm_server_engine import VllmServerOptions
+    opts = VllmServerOptions()
+    if len(opts.urls) < cfg.workers:
+      raise ValueError(f"JobConfig.engine = 'vllm_server' with {cfg.workers} rollout workers: "
+                       f"VllmServerOptions.urls names {len(opts.urls)} server(s) "
+                       f"{list(opts.urls)}; each worker needs its own (docs/rollout.md)")
     setup = dataclasses.replace(setup, engine_options=dataclasses.replace(
         opts, max_model_len=opts.max_model_len or setup.max_sequence_len))
   return setup

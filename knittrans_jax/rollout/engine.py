@@ -13,8 +13,10 @@ the caller keeps each group's task beside its request and scores with it.
 
 Backends (`ENGINES`): 'jax' (rollout/jax_engine.py: the project's KV-cache sampler, a
 static batch of up to `groups_per_call` groups per step; the reference, and the only
-one for the vision suites) and 'vllm' (rollout/vllm_engine.py: an in-process vLLM
-engine, continuous batching, each group returned the step its last response ends).
+one for the vision suites), 'vllm' (rollout/vllm_engine.py: an in-process vLLM
+engine, continuous batching, each group returned the step its last response ends) and
+'vllm_server' (rollout/vllm_server_engine.py: a vLLM server the user runs on the
+worker's host, over its HTTP API; weights through shared memory).
 
 Every engine returns, per response, the sampled tokens (up to and including the stop
 token), the log-probs of the distribution actually sampled (logits / temperature,
@@ -33,7 +35,7 @@ if TYPE_CHECKING:  # types only: this module loads neither JAX nor the image pro
   from knittrans_jax.multimodal.qwen_images import QwenImageInputs
   from knittrans_jax.rollout.sampler import SamplerConfig
 
-ENGINES = ("jax", "vllm")
+ENGINES = ("jax", "vllm", "vllm_server")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,8 @@ class EngineSpec:
   queued requests up to this many responses a call, padded to a power-of-two row
   count and prompt length (agentic turns, rollout/agent_loop.py: requests of n = 1
   whose contexts grow, in a few shapes compiled once); `options`: backend options
-  (VllmOptions for 'vllm')."""
+  (VllmOptions for 'vllm', VllmServerOptions for 'vllm_server'); `index`: the
+  worker's (which of VllmServerOptions.urls is its server)."""
   name: str
   model_config: Any
   sampler: SamplerConfig
@@ -116,6 +119,7 @@ class EngineSpec:
   workdir: str | None = None  # where an engine that loads from disk writes its weights
   prompts: PromptSpec = PromptSpec()
   rows_per_call: int | None = None
+  index: int = 0
 
   def __post_init__(self):
     if self.name not in ENGINES:

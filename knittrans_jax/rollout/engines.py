@@ -12,5 +12,8 @@ def make_engine(spec: EngineSpec, graphdef, params, version: int) -> RolloutEngi
   if spec.name == "vllm":
     from knittrans_jax.rollout.vllm_engine import VllmEngine
     return VllmEngine(spec, params, version)
+  if spec.name == "vllm_server":
+    from knittrans_jax.rollout.vllm_server_engine import VllmServerEngine
+    return VllmServerEngine(spec, params, version)
   from knittrans_jax.rollout.jax_engine import JaxEngine
   return JaxEngine(spec, graphdef, params, version)

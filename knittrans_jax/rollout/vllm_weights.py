@@ -1,40 +1,77 @@
 """The weight path into a vLLM engine's workers: a `worker_extension_cls` mixed into
-vLLM's worker class, called through `collective_rpc` (rollout/vllm_engine.py).
+vLLM's worker class, called through `collective_rpc` (rollout/vllm_engine.py in this
+process; rollout/vllm_server_engine.py over the server's /collective_rpc route).
 
-CPU (tested): tensors travel as (HF name, bytes, dtype, shape), since numpy arrays in
-collective_rpc's arguments do not survive its serialisation; the worker rebuilds
-tensors and reloads them in place (`model_runner.reload_weights`). The CPU backend
+A version arrives as the path of a shared-memory segment in Hugging Face layout
+(rollout/hf_segment.py, written once by the engine's owner on this host): the worker
+maps it, wraps each tensor as a torch view of the mapping (no copy, no unpickling) and
+reloads the model in place from them (`model_runner.reload_weights`: vLLM's own load,
+the one copy into its parameters, then its post-load processing). The CPU backend
 packs each linear layer's weight for its GEMM when a model loads; a tied lm_head
 shares the embedding's tensor but is not re-processed by the reload (it keeps
 multiplying by the old packed weights: log-prob errors of ~4 nats were seen), so it is
-packed again here. The engine then resets its prefix cache.
+packed again here. The engine then resets its prefix cache. A server on another host
+cannot open the path: the 'vllm_server' engine says so (docs/rollout.md).
+
+This module loads neither JAX nor the rest of the project (it runs inside vLLM's
+workers): numpy, torch and the segment reader.
 
 GPU (written, UNTESTED here: no GPU or CUDA build of vLLM on this machine): the same
-call works, with tensors put on the worker's device by reload_weights. At scale the
-bytes should not pass through the RPC: vLLM's weight-transfer engine (NCCL broadcast
-from a trainer rank that joins the engine's process group, `init_weight_transfer` +
-`update_weights` on the engine) moves them device to device; for a trainer on the
-same host, CUDA IPC (each tensor exported with torch.multiprocessing's reductions,
-rebuilt in the worker) would be the form of it. Neither is written here.
+call works, with tensors put on the worker's device by reload_weights (a host-to-device
+copy per tensor from the mapping). Across hosts the bytes should not pass through
+files: vLLM's weight-transfer engine (NCCL broadcast from a trainer rank that joins
+the engine's process group, `init_weight_transfer` + `update_weights` on the engine)
+moves them device to device. Not written here.
 
 TPU: vllm-tpu (tpu-inference) holds the weights as JAX arrays; a JAX trainer on the
 same slice hands over arrays (its `sync_weights`), no bytes at all. Not runnable here.
 """
 from __future__ import annotations
 
+import time
+
 import numpy as np
+
+from knittrans_jax.rollout.weight_segment import SegmentError, read_segment
+
+
+def _torch_view(array: np.ndarray):
+  """A torch tensor over `array`'s memory (bfloat16 through its 16-bit pattern: torch
+  does not take ml_dtypes' bfloat16 from numpy)."""
+  import torch
+  if array.dtype.name == "bfloat16":
+    return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+  return torch.from_numpy(array)
 
 
 class WeightLoader:
-  """Methods vLLM adds to its worker (names prefixed: the worker must not have them)."""
+  """Methods vLLM adds to its worker (names prefixed: the worker must not have them).
+  Arguments are strings: the server's /collective_rpc route passes nothing else."""
 
-  def knittrans_load(self, items: list[tuple[str, bytes, str, tuple[int, ...]]]) -> int:
-    import torch
-    weights = [(name, torch.from_numpy(np.frombuffer(data, dtype=dtype).reshape(shape).copy()))
-               for name, data, dtype, shape in items]
+  def knittrans_check(self) -> dict:
+    """What the engine's owner checks before using a server: its settings."""
+    mc = self.model_config
+    return {"logprobs_mode": str(mc.logprobs_mode), "max_model_len": int(mc.max_model_len),
+            "dtype": str(mc.dtype).replace("torch.", ""), "vocab_size": int(mc.get_vocab_size()),
+            "block_size": int(self.vllm_config.cache_config.block_size)}
+
+  def knittrans_load_segment(self, path: str, verify: str = "0") -> dict:
+    """Reloads the model from the segment at `path` (every tensor whole); `verify`
+    '1': check the data's crc32c first, where it has one. Returns the tensors loaded,
+    the segment's version and the seconds to map it and to load (vLLM's reload)."""
+    t0 = time.perf_counter()
+    head, pieces = read_segment(path, verify=verify == "1")
+    weights = []
+    for p in pieces:
+      if p.box != tuple((0, n) for n in p.data.shape):
+        raise SegmentError(f"weight segment {path}: {p.name} is a part {p.box} of a tensor; "
+                           "an engine loads whole tensors")
+      weights.append((p.name, _torch_view(p.data)))
+    t1 = time.perf_counter()
     self.model_runner.reload_weights(weights_iterator=iter(weights))
     self._knittrans_repack_head()
-    return len(weights)
+    return {"tensors": len(weights), "version": head["version"], "map_s": t1 - t0,
+            "load_s": time.perf_counter() - t1}
 
   def _knittrans_repack_head(self) -> None:
     """A tied head only (an untied one was reloaded, and so re-packed, with the rest)."""

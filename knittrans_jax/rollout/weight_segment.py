@@ -26,7 +26,7 @@ import struct
 from typing import Callable
 
 import google_crc32c
-import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 MAGIC = b"KTWSEG01"
@@ -46,6 +46,13 @@ class Piece:
   name: str  # the leaf's tree path (jax.tree_util.keystr)
   box: tuple[tuple[int, int], ...]  # [start, stop) per dimension of the full leaf
   data: np.ndarray  # a view of the segment
+
+
+def dtype_of(name: str) -> np.dtype:
+  """A piece's dtype by name, bfloat16 included (ml_dtypes, as JAX names it): this
+  module loads no JAX, so a vLLM worker reads segments without it."""
+  extra = getattr(ml_dtypes, name, None)
+  return np.dtype(extra if isinstance(extra, type) else name)
 
 
 def _round(n: int, to: int) -> int:
@@ -70,8 +77,12 @@ class PieceOut:
   fill: Callable[[np.ndarray], None]
 
 
-def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) -> int:
-  """Writes `pieces` to `path` (through a temporary name); returns the bytes written."""
+def write_segment(path: str, version: int, part: int, pieces: list[PieceOut],
+                  checksum: bool = True,
+                  full_hint: str = "or set WeightSyncConfig.transport = 'files'") -> int:
+  """Writes `pieces` to `path` (through a temporary name); returns the bytes written.
+  `checksum=False`: no crc32c of the data (a pass over the bytes), for a segment its
+  reader maps moments later on the same host (data_crc32c null: nothing to verify)."""
   entries, offset = [], 0
   for p in pieces:
     nbytes = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
@@ -93,17 +104,16 @@ def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) ->
     except OSError as e:
       os.unlink(tmp)
       raise OSError(e.errno, f"weight segment {path}: no room for {size} bytes in "
-                    f"{os.path.dirname(path)} ({e.strerror}); free it or set "
-                    "WeightSyncConfig.transport = 'files'") from None
+                    f"{os.path.dirname(path)} ({e.strerror}); free it {full_hint}") from None
     mm = mmap.mmap(f.fileno(), size)
   try:
     for e, p in zip(entries, pieces):
-      dst = np.frombuffer(mm, np.dtype(jnp.dtype(e["dtype"])), int(np.prod(e["shape"])),
+      dst = np.frombuffer(mm, dtype_of(e["dtype"]), int(np.prod(e["shape"])),
                           data_offset + e["offset"]).reshape(e["shape"])
       p.fill(dst)
       del dst  # mm closes only once no view of it is left
     data = memoryview(mm)[data_offset:]
-    head.update(data_offset=data_offset, data_crc32c=_crc(data))
+    head.update(data_offset=data_offset, data_crc32c=_crc(data) if checksum else None)
     data.release()
     text = json.dumps(head).encode()
     mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, len(text), _crc(text))
@@ -117,7 +127,7 @@ def write_segment(path: str, version: int, part: int, pieces: list[PieceOut]) ->
 def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
   """(header, pieces as views of the mapped file); FileNotFoundError if `path` is not
   there, SegmentError if it is not a whole, undamaged segment. `verify`: check the
-  data's crc32c too (one pass over the bytes)."""
+  data's crc32c too (one pass over the bytes), where the writer stored one."""
   with open(path, "rb") as f:
     size = os.fstat(f.fileno()).st_size
     if size < HEADER_AT:
@@ -138,7 +148,7 @@ def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
   end = head["data_offset"] + head["data_bytes"]
   if size != end:
     raise SegmentError(f"weight segment {path}: truncated: {size} bytes, its header says {end}")
-  if verify:
+  if verify and head["data_crc32c"] is not None:
     data = memoryview(mm)[head["data_offset"]:]
     got = _crc(data)
     data.release()
@@ -147,7 +157,7 @@ def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
                          f"{head['data_crc32c']:#010x} (damaged)")
   pieces = []
   for e in head["pieces"]:
-    dtype, shape = np.dtype(jnp.dtype(e["dtype"])), tuple(e["shape"])
+    dtype, shape = dtype_of(e["dtype"]), tuple(e["shape"])
     count = int(np.prod(shape, dtype=np.int64))
     if e["offset"] + count * dtype.itemsize > head["data_bytes"]:
       raise SegmentError(f"weight segment {path}: piece {e['name']} ends past the data")

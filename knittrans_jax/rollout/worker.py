@@ -64,9 +64,10 @@ class WorkerArgs:
   suite) or None; `math`: rollout/groups.MathSource (the 'math' suite) or None;
   `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
   `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
-  (VllmOptions for 'vllm') or None; `agent`: rollout/groups.AgentSource (the
-  'agentic' suite) or None; `weights`: the run's rollout/weights.WeightSyncConfig (its dtype
-  and checks; None: leaves as the trainer holds them, crc32c checked)."""
+  (VllmOptions for 'vllm', VllmServerOptions for 'vllm_server') or None; `agent`:
+  rollout/groups.AgentSource (the 'agentic' suite) or None; `weights`: the run's
+  rollout/weights.WeightSyncConfig (its dtype and checks; None: leaves as the trainer
+  holds them, crc32c checked)."""
   seed: int
   n: int
   model_config: Any
@@ -147,7 +148,7 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
     spec = EngineSpec(a.engine, a.model_config, a.sampler_config, seed, a.groups_per_call,
                       a.engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"),
                       tasks.prompt_spec if not tasks.multi_turn else PromptSpec(),
-                      rows_per_call=rows)
+                      rows_per_call=rows, index=worker_id)
     rollout = runner = None  # built on the first published weights
     held: dict[int, Any] = {}  # group id -> its task, which scores the finished group
     parent = multiprocessing.parent_process()
