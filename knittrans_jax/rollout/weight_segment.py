@@ -23,6 +23,7 @@ import json
 import mmap
 import os
 import struct
+import weakref
 from typing import Callable
 
 import google_crc32c
@@ -128,12 +129,22 @@ def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
   """(header, pieces as views of the mapped file); FileNotFoundError if `path` is not
   there, SegmentError if it is not a whole, undamaged segment. `verify`: check the
   data's crc32c too (one pass over the bytes), where the writer stored one."""
-  with open(path, "rb") as f:
-    size = os.fstat(f.fileno()).st_size
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    size = os.fstat(fd).st_size
     if size < HEADER_AT:
       raise SegmentError(f"weight segment {path}: truncated: {size} bytes, less than the "
                          f"{HEADER_AT}-byte prefix")
-    mm = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    head, pieces = _parse(path, mm, size, verify)
+  except BaseException:
+    os.close(fd)
+    raise
+  _remember(mm, fd, path)
+  return head, pieces
+
+
+def _parse(path: str, mm: mmap.mmap, size: int, verify: bool) -> tuple[dict, list[Piece]]:
   magic, length, crc = _PREFIX.unpack_from(mm, 0)
   if magic != MAGIC:
     raise SegmentError(f"weight segment {path}: magic {magic!r}, expected {MAGIC!r}")
@@ -164,3 +175,31 @@ def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
     data = np.frombuffer(mm, dtype, count, head["data_offset"] + e["offset"]).reshape(shape)
     pieces.append(Piece(e["leaf"], e["name"], tuple(tuple(b) for b in e["box"]), data))
   return head, pieces
+
+
+# Segments this process maps, by the address of their first byte: (end, fd, path). The
+# file stays open while its mapping lives, so another process on the host reaches the
+# same file as /proc/PID/fd/FD even after a newer version unlinked its name.
+_MAPPED: dict[int, tuple[int, int, str]] = {}
+
+
+def _remember(mm: mmap.mmap, fd: int, path: str) -> None:
+  start = np.frombuffer(mm, np.uint8).ctypes.data
+  _MAPPED[start] = (start + len(mm), fd, path)
+  weakref.finalize(mm, _forget, start, fd)
+
+
+def _forget(start: int, fd: int) -> None:
+  _MAPPED.pop(start, None)
+  os.close(fd)
+
+
+def file_of(array: np.ndarray) -> tuple[str, int] | None:
+  """Where a view of a segment this process maps lies: (a path to that file any process
+  of this host's user can open, the byte offset of the view's first element), or None
+  if `array` is not wholly inside one."""
+  lo, hi = np.lib.array_utils.byte_bounds(array)
+  for start, (end, fd, _) in list(_MAPPED.items()):
+    if start <= lo and hi <= end:
+      return f"/proc/{os.getpid()}/fd/{fd}", array.__array_interface__["data"][0] - start
+  return None
