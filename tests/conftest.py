@@ -17,7 +17,7 @@ _ONE_WORKER = ("test_ray_fleet.py", "test_netns_hosts.py", "test_distributed.py"
 # Files whose tests share an expensive module-scoped fixture (a job run, a checkpoint):
 # each file runs on one worker, so the fixture is built once, not once per worker.
 _FILE_TOGETHER = ("test_vlm_job.py", "test_vlm_qwen_job.py", "test_qwen_vl_encode_once.py",
-                  "test_bench_transfer.py")
+                  "test_bench_transfer.py", "test_vllm_server.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
