@@ -4,7 +4,7 @@
   python scripts/bench_rollout.py --workload agentic --json runs/bench_rollout_agentic.json
   python scripts/bench_rollout.py --workload long_tails --json runs/bench_rollout_long.json
   python scripts/bench_rollout.py --model configs/models/qwen2_5_0_5b.gin --engines jax \
-      --weights_only --updates 3 --json runs/bench_rollout_weights_0_5b.json
+      --weights_only --updates 6 --json runs/bench_rollout_weights_0_5b.json
 
 Workloads (`--workload`): 'tails' (the default, below), 'long_tails'
 (configs/text_long_tails.gin: answers of 16 to 512 tokens; the same method as
@@ -48,6 +48,10 @@ vLLM the engine's update is its workers' reload from views of the published segm
 prefix-cache reset; of the update, vLLM's own `reload_weights` (its copy into its
 parameters and its post-load processing, e.g. re-packing for its CPU kernels) is
 `engine_processing_s`, the rest `ours_s` (`ours_vs_copy`, `ours_vs_warm_copy`).
+Figures are medians over the updates; the trainer's first two publishes allocate new
+segments, later ones are written into spares (WeightSyncConfig.spare_segments;
+`segments_reused` counts them), so give `--updates` of 5 or more for the steady state
+(every update's times are in `runs`).
 
 `--model`: a model gin file (configs/models/) read after the workload's, with the
 model's own head count (no vLLM head-dim override). `--weights_only`: no generation,
@@ -217,12 +221,13 @@ before (bandwidth alone)."""
       del copies, got, leaves
       for key, dt in (("publish_s", t1 - t), ("subscribe_s", t2 - t1), ("load_s", t3 - t2)):
         steps[key].append(dt)
+    reused = pub.pool.reused if pub.pool is not None else 0
   finally:
     pub.close()
   per = [a + b + c for a, b, c in zip(steps["publish_s"], steps["subscribe_s"], steps["load_s"])]
   if not steps["engine_processing_s"]:
     del steps["engine_processing_s"]
-  out = {"transport": sync.transport, "weight_bytes": nbytes,
+  out = {"transport": sync.transport, "weight_bytes": nbytes, "segments_reused": reused,
          "weight_dtype": str(dtype or "as trained"), "weight_update_s": _median(per),
          **{k: _median(x) for k, x in steps.items()}, "runs": {**steps, "weight_update_s": per}}
   copy = max(out["copy_s"], 1e-12)

@@ -4,6 +4,7 @@ memory: exact zero-copy round trip, the engine's dtype, release, damage named,
 the fallback to files."""
 import dataclasses
 import errno
+import fcntl
 import os
 import shutil
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from flax import nnx
 
 from knittrans_jax.models import DecoderConfig, DecoderLM
-from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, write_segment
+from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, read_segment, write_segment
 from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
                                            WeightSyncError, wire_template)
 from knittrans_jax.train import MeshConfig, OptimizerConfig, init_train_state, make_mesh, make_optimizer
@@ -75,8 +76,8 @@ def test_resume_removes_versions_of_the_longer_run_and_pruning_keeps_the_newest(
 # -- shared memory ('shm'): one segment per version, mapped by every subscriber ----------
 
 
-def shm_publisher(tmp_path, **kw):
-  sync = WeightSyncConfig(transport="shm", shm_dir=str(tmp_path / "shm"))
+def shm_publisher(tmp_path, spares=1, **kw):
+  sync = WeightSyncConfig(transport="shm", shm_dir=str(tmp_path / "shm"), spare_segments=spares)
   os.makedirs(sync.shm_dir, exist_ok=True)
   return WeightPublisher(str(tmp_path / "work"), sync=sync, **kw)
 
@@ -113,7 +114,7 @@ def test_shm_round_trip_is_exact_zero_copy_and_in_the_engine_dtype(tmp_path):
 
 def test_shm_release_unlinks_older_versions_held_mappings_stay_valid(tmp_path):
   params = template()
-  pub = shm_publisher(tmp_path, version=0)
+  pub = shm_publisher(tmp_path, spares=0, version=0)
   sub = WeightSubscriber(str(tmp_path / "work"), params)
   pub.write_part(0, params)
   pub.commit(0)
@@ -136,7 +137,7 @@ def test_shm_release_unlinks_older_versions_held_mappings_stay_valid(tmp_path):
   open(shm / f"knittrans-0123456789ab-{dead.pid}-v00000001-p0", "wb").close()
   live = f"knittrans-0123456789ab-{os.getpid()}-v00000001-p0"
   open(shm / live, "wb").close()
-  again = shm_publisher(tmp_path, version=1)
+  again = shm_publisher(tmp_path, spares=0, version=1)
   assert segments(tmp_path) == [live]
   os.unlink(shm / live)
   assert WeightSubscriber(str(tmp_path / "work"), params).poll() is None
@@ -144,6 +145,62 @@ def test_shm_release_unlinks_older_versions_held_mappings_stay_valid(tmp_path):
   again.commit(2)
   again.close()
   assert segments(tmp_path) == [] and not (tmp_path / "work" / "weights" / "LATEST").exists()
+
+
+def test_shm_spares_are_reused_only_once_no_reader_maps_them(tmp_path):
+  params = template()
+  plus = lambda k: jax.tree.map(lambda x: x + k, params)  # noqa: E731
+  pub = shm_publisher(tmp_path, version=0)
+  sub = WeightSubscriber(str(tmp_path / "work"), params)
+  for v in (0, 1):
+    pub.write_part(v, plus(v))
+    pub.commit(v)
+    if v == 0:
+      _, held = sub.poll()  # an engine holding v0
+  pub.write_part(2, plus(2))  # v0 retired to a spare, but mapped: a new file
+  pub.commit(2)
+  assert pub.pool.reused == 0
+  assert [n.rsplit("-", 2)[1] for n in segments(tmp_path)] == ["spare0", "v00000001",
+                                                                "v00000002"]
+  for a, b in zip(jax.tree.leaves(held), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, np.asarray(b))  # still v0's values
+  del held, a
+  pub.write_part(3, plus(3))  # v1 retired; v0's file unmapped now: written into
+  pub.commit(3)
+  assert pub.pool.reused == 1
+  assert [n.rsplit("-", 2)[1] for n in segments(tmp_path)] == ["spare1", "v00000002",
+                                                                "v00000003"]
+  v, got = sub.poll()
+  assert v == 3
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(plus(3))):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  # A reader that opened a name the writer has since retired and is overwriting (its
+  # exclusive lock) is told the segment is gone, as for an unlinked one.
+  spare = str(tmp_path / "shm" / segments(tmp_path)[0])
+  fd = os.open(spare, os.O_RDWR)
+  fcntl.flock(fd, fcntl.LOCK_EX)
+  with pytest.raises(FileNotFoundError, match="retired"):
+    read_segment(spare)
+  os.close(fd)
+  del got, a
+  for v in (4, 5, 6):  # the steady state: three files, each version written into a spare
+    pub.write_part(v, plus(v))
+    pub.commit(v)
+  assert pub.pool.reused == 4 and len(segments(tmp_path)) == 3
+  # An engine that holds on to every version: spares beyond the one kept are unlinked
+  # (their memory stays with the engine), new files are written.
+  kept = []
+  for v in (7, 8, 9, 10):
+    pub.write_part(v, plus(v))
+    pub.commit(v)
+    kept.append(sub.poll()[1])
+  assert pub.pool.reused == 7 and len(segments(tmp_path)) == 3
+  for a, b in zip(jax.tree.leaves(kept[0]), jax.tree.leaves(plus(7))):
+    np.testing.assert_array_equal(a, np.asarray(b))
+  pub.close()  # unlinks every segment and spare
+  assert segments(tmp_path) == []
+  with pytest.raises(ValueError, match=r"WeightSyncConfig.spare_segments = -1: an int >= 0"):
+    WeightSyncConfig(spare_segments=-1)
 
 
 def test_shm_damaged_truncated_missing_and_misshapen_segments_are_named(tmp_path):

@@ -14,11 +14,15 @@ writer fills a temporary file and renames it, so the final name never holds a pa
 segment; a reader still checks the size, both checksums and every piece's bounds, so a
 damaged or truncated file is an error naming the file and the field, never wrong weights.
 Readers map the file copy-on-write: pieces are numpy views of the page cache (no read,
-no unpickling), and a stray write stays private to the process that made it.
+no unpickling), and a stray write stays private to the process that made it. A reader
+holds a shared flock on the file for as long as it maps it: a writer's SegmentPool
+reuses a retired segment only when it can lock it exclusively.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
+import fcntl
 import json
 import mmap
 import os
@@ -78,12 +82,8 @@ class PieceOut:
   fill: Callable[[np.ndarray], None]
 
 
-def write_segment(path: str, version: int, part: int, pieces: list[PieceOut],
-                  checksum: bool = True,
-                  full_hint: str = "or set WeightSyncConfig.transport = 'files'") -> int:
-  """Writes `pieces` to `path` (through a temporary name); returns the bytes written.
-  `checksum=False`: no crc32c of the data (a pass over the bytes), for a segment its
-  reader maps moments later on the same host (data_crc32c null: nothing to verify)."""
+def _layout(version: int, part: int, pieces: list[PieceOut]) -> tuple[dict, int]:
+  """(the header without its data crc, the file's size) of a segment of `pieces`."""
   entries, offset = [], 0
   for p in pieces:
     nbytes = int(np.prod(p.shape, dtype=np.int64)) * np.dtype(p.dtype).itemsize
@@ -91,38 +91,168 @@ def write_segment(path: str, version: int, part: int, pieces: list[PieceOut],
                     "dtype": np.dtype(p.dtype).name, "shape": list(p.shape),
                     "offset": offset})
     offset = _round(offset + nbytes, ALIGN)
-  data_bytes = offset
-  head = {"version": version, "part": part, "data_bytes": data_bytes, "pieces": entries}
+  head = {"version": version, "part": part, "data_bytes": offset, "pieces": entries}
   # The data starts after the header; the header's length does not depend on the crc's
   # digits once it is padded to a page.
-  data_offset = _round(HEADER_AT + len(json.dumps({**head, "data_offset": 0,
-                                                   "data_crc32c": 2**32 - 1})) + 32, PAGE)
+  head["data_offset"] = _round(HEADER_AT + len(json.dumps({**head, "data_crc32c": 2**32 - 1}))
+                               + 32, PAGE)
+  return head, head["data_offset"] + offset
+
+
+def _fill(mm: mmap.mmap, head: dict, pieces: list[PieceOut], checksum: bool) -> None:
+  """Writes `pieces` and then the header into `mm`, a writable mapping of the file."""
+  data_offset = head["data_offset"]
+  for e, p in zip(head["pieces"], pieces):
+    dst = np.frombuffer(mm, dtype_of(e["dtype"]), int(np.prod(e["shape"])),
+                        data_offset + e["offset"]).reshape(e["shape"])
+    p.fill(dst)
+    del dst  # mm closes only once no view of it is left
+  data = memoryview(mm)[data_offset:]
+  head["data_crc32c"] = _crc(data) if checksum else None
+  data.release()
+  text = json.dumps(head).encode()
+  mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, len(text), _crc(text))
+  mm[HEADER_AT:HEADER_AT + len(text)] = text
+
+
+def _allocate(path: str, size: int, full_hint: str) -> tuple[int, mmap.mmap]:
+  """(fd, a shared writable mapping) of a new `size`-byte file at `path`."""
+  fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+  try:  # reserved now: a full tmpfs is an error here, not a SIGBUS while writing
+    os.posix_fallocate(fd, 0, size)
+    return fd, mmap.mmap(fd, size)
+  except OSError as e:
+    os.close(fd)
+    os.unlink(path)
+    raise OSError(e.errno, f"weight segment {path}: no room for {size} bytes in "
+                  f"{os.path.dirname(path)} ({e.strerror}); free it {full_hint}") from None
+
+
+def write_segment(path: str, version: int, part: int, pieces: list[PieceOut],
+                  checksum: bool = True,
+                  full_hint: str = "or set WeightSyncConfig.transport = 'files'") -> int:
+  """Writes `pieces` to `path` (through a temporary name); returns the bytes written.
+  `checksum=False`: no crc32c of the data (a pass over the bytes), for a segment its
+  reader maps moments later on the same host (data_crc32c null: nothing to verify)."""
+  head, size = _layout(version, part, pieces)
   tmp = f"{path}.tmp{os.getpid()}"
-  size = data_offset + data_bytes
-  with open(tmp, "w+b") as f:
-    try:  # reserved now: a full tmpfs is an error here, not a SIGBUS while writing
-      os.posix_fallocate(f.fileno(), 0, size)
-    except OSError as e:
-      os.unlink(tmp)
-      raise OSError(e.errno, f"weight segment {path}: no room for {size} bytes in "
-                    f"{os.path.dirname(path)} ({e.strerror}); free it {full_hint}") from None
-    mm = mmap.mmap(f.fileno(), size)
+  fd, mm = _allocate(tmp, size, full_hint)
+  os.close(fd)
   try:
-    for e, p in zip(entries, pieces):
-      dst = np.frombuffer(mm, dtype_of(e["dtype"]), int(np.prod(e["shape"])),
-                          data_offset + e["offset"]).reshape(e["shape"])
-      p.fill(dst)
-      del dst  # mm closes only once no view of it is left
-    data = memoryview(mm)[data_offset:]
-    head.update(data_offset=data_offset, data_crc32c=_crc(data) if checksum else None)
-    data.release()
-    text = json.dumps(head).encode()
-    mm[:_PREFIX.size] = _PREFIX.pack(MAGIC, len(text), _crc(text))
-    mm[HEADER_AT:HEADER_AT + len(text)] = text
+    _fill(mm, head, pieces, checksum)
   finally:
     mm.close()
   os.replace(tmp, path)  # whole, or not there
   return size
+
+
+@dataclasses.dataclass
+class _Held:
+  path: str  # its name now: a version's, or a spare's
+  fd: int
+  mm: mmap.mmap
+  size: int
+
+
+class SegmentPool:
+  """One writer's segments, each kept open and mapped, so the next versions are written
+  into retired ones: no allocation and no page faults (on a 0.5B model's 2 GB these are
+  most of a fresh segment's cost; the copy itself is a fraction).
+
+  A retired segment is first renamed to a spare's name, so no reader can open it any
+  more; it is overwritten only while this writer holds an exclusive flock on it, which
+  fails while any reader still maps it (read_segment holds a shared flock on the fd it
+  keeps for as long as its mapping lives). A reader that opened the old name just before
+  the rename finds, once it has its lock, that the name no longer leads to the file it
+  opened, and treats it as released (FileNotFoundError), as it would an unlinked one.
+  At most `spares` retired segments are kept; more, or one that does not fit the next
+  version's size, are unlinked (their memory goes when their last reader lets go)."""
+
+  def __init__(self, spares: int, spare_name: Callable[[int], str],
+               full_hint: str = "or set WeightSyncConfig.transport = 'files'"):
+    self.spares, self.spare_name, self.full_hint = spares, spare_name, full_hint
+    self._live: dict[str, _Held] = {}
+    self._spare: list[_Held] = []
+    self._count = 0
+    self.reused = 0  # segments written into a retired one (for tests and benchmarks)
+
+  def live(self) -> list[str]:
+    return list(self._live)
+
+  def retire(self, path: str) -> None:
+    """`path` (written by this pool) is no longer named by LATEST: keep it as a spare."""
+    held = self._live.pop(path)
+    spare = self.spare_name(self._count)
+    self._count += 1
+    try:
+      os.rename(path, spare)
+    except FileNotFoundError:  # unlinked by someone else (a trainer's cleanup)
+      self._drop(held, unlink=False)
+      return
+    held.path = spare
+    self._spare.append(held)
+
+  def write(self, path: str, version: int, part: int, pieces: list[PieceOut],
+            checksum: bool = True) -> int:
+    """As write_segment, into a spare that no reader maps where there is one."""
+    head, size = _layout(version, part, pieces)
+    held = self._take(size)
+    if held is None:
+      tmp = f"{path}.tmp{os.getpid()}"
+      try:
+        fd, mm = _allocate(tmp, size, self.full_hint)
+      except OSError as e:
+        if e.errno != errno.ENOSPC or not self._spare:
+          raise
+        self.trim(0)  # room taken by spares readers still map: theirs to free, not ours
+        fd, mm = _allocate(tmp, size, self.full_hint)
+      held = _Held(tmp, fd, mm, size)
+    else:
+      self.reused += 1
+    try:
+      _fill(held.mm, head, pieces, checksum)
+      os.replace(held.path, path)  # whole, or not there
+    except BaseException:
+      self._drop(held, unlink=True)  # its lock goes with its fd
+      raise
+    fcntl.flock(held.fd, fcntl.LOCK_UN)
+    held.path = path
+    self._live[path] = held
+    self.trim(self.spares)
+    return size
+
+  def _take(self, size: int) -> _Held | None:
+    """A spare of `size` bytes, exclusively locked, or None."""
+    for held in self._spare:
+      if held.size != size:
+        continue
+      try:
+        fcntl.flock(held.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+      except BlockingIOError:  # a reader maps it
+        continue
+      self._spare.remove(held)
+      return held
+    return None
+
+  def trim(self, keep: int) -> None:
+    """Unlinks all but the newest `keep` spares."""
+    while len(self._spare) > keep:
+      self._drop(self._spare.pop(0), unlink=True)
+
+  def _drop(self, held: _Held, unlink: bool) -> None:
+    if unlink:
+      try:
+        os.unlink(held.path)
+      except FileNotFoundError:
+        pass
+    held.mm.close()
+    os.close(held.fd)
+
+  def close(self) -> None:
+    """Lets go of every file (names are the caller's to unlink)."""
+    for held in [*self._live.values(), *self._spare]:
+      self._drop(held, unlink=False)
+    self._live, self._spare = {}, []
 
 
 def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
@@ -131,7 +261,15 @@ def read_segment(path: str, verify: bool = True) -> tuple[dict, list[Piece]]:
   data's crc32c too (one pass over the bytes), where the writer stored one."""
   fd = os.open(path, os.O_RDONLY)
   try:
-    size = os.fstat(fd).st_size
+    # Held while the mapping lives: a writer's pool overwrites only files nobody locks.
+    try:
+      fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # a pool is overwriting it: retired, renamed away
+      raise FileNotFoundError(errno.ENOENT, "weight segment retired", path) from None
+    st = os.fstat(fd)
+    if os.stat(path).st_ino != st.st_ino:  # retired (and reused) between open and lock
+      raise FileNotFoundError(errno.ENOENT, "weight segment retired", path)
+    size = st.st_size
     if size < HEADER_AT:
       raise SegmentError(f"weight segment {path}: truncated: {size} bytes, less than the "
                          f"{HEADER_AT}-byte prefix")

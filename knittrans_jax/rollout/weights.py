@@ -23,16 +23,22 @@ When every part is in place, process 0 replaces `weights/LATEST` (the version; f
 also the segments' paths as JSON); files and segments are written under a temporary
 name and renamed, so a reader never sees a partial one.
 
-Release, 'files': versions beyond `keep` are removed. 'shm': committing version v
-unlinks every older segment. An engine still mapping an older version keeps its pages
-(tmpfs frees a file's memory when its last mapping goes): a version's memory is freed
-exactly when it has a newer one and no engine holds it, and a worker killed by SIGKILL
-drops its mappings with its process. A reader that read LATEST just before a commit
-finds its segment gone and LATEST moved on: it takes the newer version at its next
-poll. A trainer that finishes or aborts unlinks its segments. What a killed trainer
-leaves (its newest version) is unlinked by the next trainer to start on the host: names
-are `knittrans-<hash of the work dir>-<writer pid>-v{v:08d}-p{p}`, and a starting trainer
-unlinks every segment of its work dir and every one whose writer is no longer alive.
+Release, 'files': versions beyond `keep` are removed. 'shm', `spare_segments` = 0:
+committing version v unlinks every older segment. An engine still mapping an older
+version keeps its pages (tmpfs frees a file's memory when its last mapping goes): a
+version's memory is freed exactly when it has a newer one and no engine holds it, and a
+worker killed by SIGKILL drops its mappings with its process. `spare_segments` = k > 0
+(default 1): each writer renames its segments LATEST no longer names to spare names at
+its next write, and writes into a spare no engine maps (weight_segment.SegmentPool:
+readers hold a shared flock while they map one); it keeps at most k spares. The host
+then holds the versions engines map, the newest two and up to k spares per writer. A
+reader that read LATEST just before a commit finds its segment gone (or retired) and
+LATEST moved on: it takes the newer version at its next poll. A trainer that finishes or
+aborts unlinks its segments. What a killed trainer leaves (its newest versions, its
+spares) is unlinked by the next trainer to start on the host: names are
+`knittrans-<hash of the work dir>-<writer pid>-v{v:08d}-p{p}` (spares `-spare{n}-p{p}`),
+and a starting trainer unlinks every segment of its work dir and every one whose writer
+is no longer alive.
 """
 from __future__ import annotations
 
@@ -47,7 +53,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, read_segment, write_segment
+from knittrans_jax.rollout.weight_segment import (PieceOut, SegmentError, SegmentPool, read_segment,
+                                                  write_segment)
 
 TRANSPORTS = ("auto", "shm", "files")
 DTYPES = ("engine", "param")
@@ -57,16 +64,22 @@ DTYPES = ("engine", "param")
 @dataclasses.dataclass(frozen=True)
 class WeightSyncConfig:
   """How weights reach the rollout workers (module docstring). `verify`: subscribers
-  check each segment's data crc32c (one pass over its bytes per worker and version)."""
+  check each segment's data crc32c (one pass over its bytes per worker and version).
+  `spare_segments` ('shm'): retired segments each trainer process keeps, mapped, to
+  write later versions into (no allocation, no page faults: most of a publish's cost);
+  0 unlinks each one as soon as a newer version is committed."""
   transport: str = "auto"
   dtype: str = "engine"
   shm_dir: str = "/dev/shm"
   verify: bool = True
+  spare_segments: int = 1
 
   def __post_init__(self):
     for name, allowed in (("transport", TRANSPORTS), ("dtype", DTYPES)):
       if getattr(self, name) not in allowed:
         raise ValueError(f"WeightSyncConfig.{name} = {getattr(self, name)!r}: one of {allowed}")
+    if not isinstance(self.spare_segments, int) or self.spare_segments < 0:
+      raise ValueError(f"WeightSyncConfig.spare_segments = {self.spare_segments!r}: an int >= 0")
 
   def resolve(self, cluster: str, nbytes: int = 0) -> WeightSyncConfig:
     """This config with 'auto' decided for a run on `cluster` (JobConfig.cluster) whose
@@ -192,6 +205,10 @@ class WeightPublisher:
     if sync is not None and sync.transport == "auto":
       raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
     self.shm_dir, self.tag = (sync.shm_dir, _segment_tag(self.dir)) if self.shm else (None, None)
+    self.pool = None
+    if self.shm and sync.spare_segments > 0:
+      self.pool = SegmentPool(sync.spare_segments, lambda n: os.path.join(
+          self.shm_dir, f"knittrans-{self.tag}-{os.getpid()}-spare{n}-p{self.process}"))
     if process == 0 and version is not None:
       for v in _versions(self.dir):
         if v > version:
@@ -241,7 +258,14 @@ class WeightPublisher:
       pieces.append(PieceOut(leaf_id, name, box, np.dtype(slabs[0][1].dtype),
                              tuple(b - a for a, b in box), fill))
     path = self._segment(version, self.process)
-    write_segment(path, version, self.process, pieces)
+    if self.pool is None:
+      write_segment(path, version, self.process, pieces)
+      return path
+    latest = _read_latest(self.dir)[0]
+    for old in self.pool.live():  # versions LATEST no longer names: spares from now on
+      if _parse_segment(os.path.basename(old))[2] < latest:
+        self.pool.retire(old)
+    self.pool.write(path, version, self.process, pieces)
     return path
 
   def commit(self, version: int, parts: int = 1) -> None:
@@ -259,7 +283,8 @@ class WeightPublisher:
                            f"{self.shm_dir} (knittrans-{self.tag}-*)")
       paths = [found[p] for p in range(parts)]
       _write_latest(self.dir, json.dumps({"version": version, "segments": paths}))
-      self._unlink(lambda tag, pid, v: tag == self.tag and v is not None and v < version)
+      if self.pool is None:  # else each writer retires its own into its pool
+        self._unlink(lambda tag, pid, v: tag == self.tag and v is not None and v < version)
       return
     folder = _version_dir(self.dir, version)
     missing = [p for p in range(parts) if not os.path.exists(os.path.join(folder, f"part{p}.npz"))]
@@ -283,6 +308,8 @@ class WeightPublisher:
   def close(self) -> None:
     """'shm' (process 0): unlinks LATEST and every segment of this work dir (engines that
     map one keep it until they let go). A no-op for 'files'."""
+    if self.pool is not None:
+      self.pool.close()
     if not self.shm or self.process != 0:
       return
     self._drop_segments_pointer()
