@@ -165,8 +165,9 @@ class SegmentPool:
   keeps for as long as its mapping lives). A reader that opened the old name just before
   the rename finds, once it has its lock, that the name no longer leads to the file it
   opened, and treats it as released (FileNotFoundError), as it would an unlinked one.
-  At most `spares` retired segments are kept; more, or one that does not fit the next
-  version's size, are unlinked (their memory goes when their last reader lets go)."""
+  At most `spares` retired segments are kept, the oldest unlinked first (their memory
+  goes when their last reader lets go); one whose size differs from the next version's
+  is never written into."""
 
   def __init__(self, spares: int, spare_name: Callable[[int], str],
                full_hint: str = "or set WeightSyncConfig.transport = 'files'"):
