@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 # one worker, one after another, so two clusters never race for ports, cores or
 # memory, and each module-scoped cluster is started once.
 _ONE_WORKER = ("test_ray_fleet.py", "test_netns_hosts.py", "test_distributed.py",
-               "test_vllm_engine.py", "test_vllm_job.py")
+               "test_vllm_engine.py", "test_vllm_job.py", "test_weight_objects.py")
 # Files whose tests share an expensive module-scoped fixture (a job run, a checkpoint):
 # each file runs on one worker, so the fixture is built once, not once per worker.
 _FILE_TOGETHER = ("test_vlm_job.py", "test_vlm_qwen_job.py", "test_qwen_vl_encode_once.py",

@@ -1,5 +1,6 @@
 """Benchmarks run and write every key they promise (no speed asserted here)."""
 import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -130,6 +131,17 @@ def test_simulate_script_writes_summary(tmp_path):
   assert 0 < s["fraction_of_bound"] <= 1
 
 
+def script(name: str):
+  """scripts/<name>.py as a module (its main runs in this process: no interpreter and
+  JAX start for a check that needs no job)."""
+  if "scripts" not in sys.path:  # as when run: its sibling scripts import
+    sys.path.insert(0, "scripts")
+  spec = importlib.util.spec_from_file_location(name, f"scripts/{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def figures(group: str):
   """scripts/reproduce_figures.py's figure group `group` (scripts/figures_<group>.py)."""
   sys.path.insert(0, "scripts")
@@ -208,7 +220,7 @@ def test_bench_multimodal_writes_its_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
+def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path, monkeypatch, capsys):
   out = tmp_path / "throughput.json"
   proc = subprocess.run([sys.executable, "scripts/bench_throughput.py", "--gin_file",
                          "configs/text_grpo_test.gin", "--config",
@@ -229,10 +241,13 @@ def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path):
   # The two settings give different staleness: the bindings reached the runs.
   assert r["configurations"]["tb"]["runs"][0]["arch_staleness_mean"] != \
       r["configurations"]["cp"]["runs"][0]["arch_staleness_mean"]
-  bad = subprocess.run([sys.executable, "scripts/bench_throughput.py", "--gin_file",
-                        "configs/text_grpo_test.gin", "--config", "no colon here",
-                        "--json", str(out)], capture_output=True, text=True, timeout=120)
-  assert bad.returncode != 0 and "give 'NAME: binding" in bad.stderr
+  bench = script("bench_throughput")
+  with monkeypatch.context() as m:
+    m.setattr(sys, "argv", ["bench_throughput.py", "--gin_file", "configs/text_grpo_test.gin",
+                            "--config", "no colon here", "--json", str(out)])
+    with pytest.raises(SystemExit) as bad:
+      bench.main()
+  assert bad.value.code == 2 and "give 'NAME: binding" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -261,7 +276,7 @@ def test_bench_rollout_agentic_writes_its_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path):
+def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path, monkeypatch):
   """scripts/real_staleness.py at toy size: the baselines at G, 2G and 4G and one
   constraint-preserving window, each run replayed by the simulator from its own
   trace.json; --resimulate gives the same replays (seeded)."""
@@ -281,10 +296,9 @@ def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path):
     assert (tmp_path / "rs" / os.path.basename(x["workdir"]) / "trace.json").exists()
   assert r["sim_relative_error"]["n"] >= len(r["runs"]) and len(r["frontier"]) == len(r["runs"])
   before = [x["sim"] for x in r["runs"]]
-  proc = subprocess.run([sys.executable, "scripts/real_staleness.py", "--gin_file", "x",
-                         "--json", str(out), "--resimulate"], capture_output=True, text=True,
-                        timeout=300)
-  assert proc.returncode == 0, proc.stderr[-3000:]
+  monkeypatch.setattr(sys, "argv", ["real_staleness.py", "--gin_file", "x", "--json", str(out),
+                                    "--resimulate"])
+  script("real_staleness").main()
   assert [x["sim"] for x in json.loads(out.read_text())["runs"]] == before
 
 

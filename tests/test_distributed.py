@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -151,12 +150,17 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   assert set(job.quarantine.bad_rows) == {m.id for m in lost}
 
 
-def test_overwrite_and_resume_exclude_each_other(tmp_path):
+def test_overwrite_and_resume_exclude_each_other(tmp_path, monkeypatch, capsys):
+  import importlib.util
   (tmp_path / "keep").mkdir()
-  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
-         "--workdir", str(tmp_path / "keep"), "--overwrite", "--resume"]
-  out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
-  assert out.returncode == 2 and "exclude each other" in out.stderr
+  spec = importlib.util.spec_from_file_location("train", os.path.join(ROOT, "scripts", "train.py"))
+  train = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(train)
+  monkeypatch.setattr(sys, "argv", ["train.py", "--workdir", str(tmp_path / "keep"),
+                                    "--overwrite", "--resume"])
+  with pytest.raises(SystemExit) as out:
+    train.main()
+  assert out.value.code == 2 and "exclude each other" in capsys.readouterr().err
   assert (tmp_path / "keep").exists()  # nothing was deleted
 
 

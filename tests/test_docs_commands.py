@@ -124,6 +124,12 @@ COVER: dict[str, Cover] = {
     "make install-vllm": Cover("make"),
     "make install-ray": Cover("make"),
     ".venv/bin/python scripts/bench_rollout.py --json runs/bench_rollout.json": Cover("check"),
+    ".venv/bin/python scripts/bench_in_flight.py --json runs/bench_in_flight.json":
+        Cover("check", toy="tests/test_vllm_engine.py (its compare() on the test's engine)"),
+    ".venv/bin/python scripts/bench_in_flight.py --gin_bindings \"DecoderConfig.width = 256\" "
+    "--gin_bindings \"DecoderConfig.mlp_width = 1024\" --gin_bindings \"DecoderConfig.depth = 4\" "
+    "--gin_bindings \"DecoderConfig.heads = 8\" --json runs/bench_in_flight_w256.json":
+        Cover("check", toy="tests/test_vllm_engine.py (its compare() on the test's engine)"),
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --payload_checksum":
         Cover("check", toy="tests/test_bench_scripts.py"),
     ".venv/bin/python scripts/bench_admission.py --json runs/bench_admission.json":

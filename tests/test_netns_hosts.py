@@ -209,6 +209,11 @@ def test_ray_job_across_hosts_trains_every_trajectory_once(ray_hosts_run):
   assert on[a["head"]]["bytes_local"] > 0 and on[a["trainer1"]]["bytes_local"] == 0
   assert all(t["bytes_local"] <= t["bytes_read"] for t in trainers)
   assert summary["local_fraction"] > 0 and all(rec["local_fraction"] is not None for rec in recs)
+  # Weights went through Ray's object store (WeightSyncConfig 'auto' on Ray): each
+  # version's parts from both trainer hosts to the rollout hosts, no files written.
+  latest = json.loads((work / "weights" / "LATEST").read_text())
+  assert latest["version"] >= 1 and latest["ray"].startswith("knittrans-weights-")
+  assert [d for d in os.listdir(work / "weights") if d.startswith("v")] == []
 
 
 @needs_hosts

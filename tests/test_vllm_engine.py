@@ -146,6 +146,39 @@ def test_keep_mode_samples_on_the_old_kv_and_reuses_no_old_prefix(engine, model)
     VllmOptions(in_flight="hold")
 
 
+def test_in_flight_modes_side_by_side_measure_keeps_log_prob_gap(engine, model):
+  """scripts/bench_in_flight.py's comparison on this engine: after an update mid-response
+  'reprefill' samples exactly the new weights' distribution (the trainer's forward on
+  the new weights), 'keep' does not (the old KV), tokens before the update are the old
+  weights' in both, and the engine is back on the old weights after it."""
+  import importlib.util
+  spec = importlib.util.spec_from_file_location("bench_in_flight", "scripts/bench_in_flight.py")
+  bench = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(bench)
+  config, graphdef, params = model
+  sampler = dataclasses.replace(SAMPLER, stop_tokens=())
+  with_sampler(engine, sampler)
+  new = jax.tree.map(lambda x: np.asarray(x) * np.float32(1.3), params)
+
+  def logprobs(p, prompt, tokens):
+    return trainer_logprobs(graphdef, p, prompt, tokens, sampler)
+  old_options = engine.options
+  try:
+    out = bench.compare(engine, params, new, requests(80, groups=2, n=2), update_at=4,
+                        repeats=1, logprobs=logprobs)
+  finally:
+    engine.options = old_options
+  keep, re = out["modes"]["keep"], out["modes"]["reprefill"]
+  for r in (keep, re):
+    assert r["runs"][0]["gap_after"]["tokens"] == 4 * (sampler.max_new_tokens - 4)
+    assert r["gap_before_max"] <= 1e-4 and r["update_s"] > 0 and r["tokens_per_s"] > 0
+  assert re["gap_after_max"] <= 1e-4 and out["floor"]["max"] <= 1e-4
+  assert keep["gap_after_max"] > 1e-3 and out["keep_vs_reprefill"]["gap_after_mean"] > 10
+  g = engine.generate(requests(84, groups=1, n=1))[0]
+  np.testing.assert_allclose(g.responses[0].logprobs, logprobs(params, g.request.prompt,
+                                                               g.responses[0].tokens), atol=1e-4)
+
+
 def test_a_missing_vllm_a_small_head_or_an_unsupported_mode_is_a_clear_error(monkeypatch, model,
                                                                              engine):
   from knittrans_jax.rollout import vllm_engine

@@ -50,7 +50,8 @@ def _attempt(workdir: str, resume: bool, cfg: RayConfig) -> dict:
   graphdef, template = _policy_shapes(setup)
   evaluator = make_evaluator(setup, graphdef)  # in this process, on the published weights
   trainers = RayTrainerGroup(cfg, workdir, resume, url, consumers, gin.config_str(),
-                             eval_template=template if evaluator is not None else None)
+                             eval_template=template if evaluator is not None else None,
+                             weights=setup.weights.resolve("ray"))
   try:
     driver = Driver(setup, workdir, trainers, store, consumers=consumers, resume=resume,
                     evaluator=evaluator, processes=cfg.trainers)

@@ -23,7 +23,7 @@ from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 from knittrans_jax.job.roles import TrainerLost
-from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber, WeightSyncConfig
 
 
 def _free_port(host: str) -> int:
@@ -121,11 +121,12 @@ class RayTrainerGroup:
   """The driver's handle on the trainer actors (job/roles.TrainerHandle).
 
   `eval_template`: the policy's parameter shapes (an nnx.State of ShapeDtypeStructs);
-  held-out evaluation in the driver reads the published version into it."""
+  held-out evaluation in the driver reads the published version into it. `weights`:
+  the run's resolved WeightSyncConfig (the actors resolve the same one)."""
 
   def __init__(self, cfg: RayConfig, workdir: str, resume: bool, store_url: str,
                consumers: int, gin_config: str, eval_template=None,
-               log: Callable[[str], None] = print):
+               log: Callable[[str], None] = print, weights: WeightSyncConfig | None = None):
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -135,7 +136,8 @@ class RayTrainerGroup:
     self.durable = None  # the latest checkpoint wholly written, as of the last fetch
     self.written = None  # the version whose shards every actor has written
     self.committed = None  # the version last made the latest
-    self.publisher = WeightPublisher(workdir)  # the driver commits what the actors wrote
+    # The driver commits what the actors wrote ('ray': it creates the registry first).
+    self.publisher = WeightPublisher(workdir, sync=weights)
     self.weights = WeightSubscriber(workdir, eval_template) if eval_template is not None else None
     self.eval_cache = None  # (version, params) last read for evaluation
     self.pending = []  # refs not yet checked (prefetch, step): their errors surface later

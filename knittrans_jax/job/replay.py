@@ -73,7 +73,8 @@ def replay(run_dir: str, workdir: str, consumers: int) -> Replay:
   parsed, as for the run), reading `run_dir`'s store, planned over `consumers`."""
   run_dir, workdir = os.path.abspath(run_dir), os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  cfg = JobConfig()
+  # One process here, whatever the run's cluster (its weights go to no engine on Ray).
+  cfg = dataclasses.replace(JobConfig(), cluster="local")
   dataclasses.replace(cfg, consumers=consumers).consumers_for(1)
   setup = job_setup(cfg)
   # The run's store: its JobConfig.store_url (s3://...), else the one in its work dir.

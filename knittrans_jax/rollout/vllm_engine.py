@@ -132,6 +132,11 @@ class VllmEngine(RolloutEngine):
         logprobs_mode="processed_logprobs", max_model_len=max_len, seed=spec.seed,
         kv_cache_memory_bytes=opts.kv_cache_bytes, max_num_seqs=opts.max_num_seqs,
         enable_prefix_caching=opts.prefix_caching,
+        # A prefill split over steps discards the sampled token of its partial steps, and
+        # the CPU build's seeded generators cannot rewind for it ("CPU Generator does not
+        # use offset"): a re-prefill after an update with many tokens in flight crashed
+        # the engine. Whole prefills only, each one step's budget at most.
+        enable_chunked_prefill=False, max_num_batched_tokens=max(max_len, 8192),
         worker_extension_cls="knittrans_jax.rollout.vllm_weights.WeightLoader"))
     self.groups: dict[int, tuple[GroupRequest, dict[int, Response]]] = {}
     # Per request in flight: the version of its first token, its tokens and log-probs.

@@ -6,24 +6,28 @@ Transports (`WeightSyncConfig.transport`):
            the host maps it: no file read, no unpickling, and on CPU the engine's arrays
            alias the mapping (device_put copies nothing), so the host holds one copy
            of a version however many engines use it.
+  'ray'    (JobConfig.cluster = 'ray') each trainer process puts its part of version v
+           into Ray's object store once; a registry actor names the parts
+           (rollout/weight_objects.py). Ray moves a version to each node once and every
+           worker there maps that one copy (read-only numpy views, no unpickling).
   'files'  each trainer process writes `weights/v{v:08d}/part{p}.npz` in the work dir
-           and each worker reads and assembles the parts. The fallback for what shared
-           memory cannot serve: trainers and workers on different hosts (a Ray
-           cluster: its actors may be anywhere, and the work dir is the one place all
-           hosts reach) and hosts without a writable /dev/shm.
-  'auto'   (default) 'shm' for a local run (JobConfig.cluster = 'local') when `shm_dir`
-           is a writable directory with room for two versions (a container's
-           /dev/shm is often 64 MB), else 'files'.
+           and each worker reads and assembles the parts. The fallback for what the
+           others cannot serve: a local run on a host without a writable /dev/shm with
+           room for two versions.
+  'auto'   (default) 'ray' on a Ray cluster; for a local run (JobConfig.cluster =
+           'local') 'shm' when `shm_dir` is a writable directory with room for two
+           versions (a container's /dev/shm is often 64 MB), else 'files'.
 Each part holds this process's shards (replica 0 of each, so every element is written
 once across processes), or each whole leaf when the process holds all of it. Leaves are
 published in the engine's dtype (`dtype` = 'engine': DecoderConfig.dtype, e.g.
 bfloat16, half the bytes of float32 master weights; 'param': as trained).
 
 When every part is in place, process 0 replaces `weights/LATEST` (the version; for 'shm'
-also the segments' paths as JSON); files and segments are written under a temporary
+also the segments' paths as JSON, for 'ray' the registry's name); files and segments are written under a temporary
 name and renamed, so a reader never sees a partial one.
 
-Release, 'files': versions beyond `keep` are removed. 'shm', `spare_segments` = 0:
+Release, 'files': versions beyond `keep` are removed. 'ray': the registry drops older
+versions at each commit; Ray frees one when no engine holds an array of it. 'shm', `spare_segments` = 0:
 committing version v unlinks every older segment. An engine still mapping an older
 version keeps its pages (tmpfs frees a file's memory when its last mapping goes): a
 version's memory is freed exactly when it has a newer one and no engine holds it, and a
@@ -53,10 +57,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from knittrans_jax.rollout import weight_objects
 from knittrans_jax.rollout.weight_segment import (PieceOut, SegmentError, SegmentPool, read_segment,
                                                   write_segment)
 
-TRANSPORTS = ("auto", "shm", "files")
+TRANSPORTS = ("auto", "shm", "files", "ray")
 DTYPES = ("engine", "param")
 
 
@@ -87,9 +92,15 @@ class WeightSyncConfig:
     if self.transport == "shm" and cluster != "local":
       raise ValueError(f"WeightSyncConfig.transport = 'shm' with JobConfig.cluster = "
                        f"{cluster!r}: trainer actors and rollout workers may be on different "
-                       "hosts; use 'files' (or 'auto')")
+                       "hosts; use 'ray' (or 'auto')")
+    if self.transport == "ray" and cluster != "ray":
+      raise ValueError(f"WeightSyncConfig.transport = 'ray' with JobConfig.cluster = "
+                       f"{cluster!r}: Ray's object store needs the Ray cluster; use 'shm' or "
+                       "'files' (or 'auto')")
     if self.transport != "auto":
       return self
+    if cluster == "ray":
+      return dataclasses.replace(self, transport="ray")
     shm = (cluster == "local" and os.path.isdir(self.shm_dir) and os.access(self.shm_dir, os.W_OK)
            and shutil.disk_usage(self.shm_dir).free >= 2 * nbytes)  # new + the one engines hold
     return dataclasses.replace(self, transport="shm" if shm else "files")
@@ -148,8 +159,9 @@ def _alive(pid: int) -> bool:
   return True
 
 
-def _read_latest(root: str) -> tuple[int, list[str] | None]:
-  """(version, segment paths or None for 'files'); (-1, None) before any publish."""
+def _read_latest(root: str) -> tuple[int, dict | None]:
+  """(version, where it is: {'segments': paths} or {'ray': registry name}; None for
+  'files'); (-1, None) before any publish."""
   try:
     with open(os.path.join(root, "LATEST")) as f:
       text = f.read().strip()
@@ -157,7 +169,7 @@ def _read_latest(root: str) -> tuple[int, list[str] | None]:
     return -1, None
   if text.startswith("{"):
     d = json.loads(text)
-    return int(d["version"]), list(d["segments"])
+    return int(d.pop("version")), d
   return int(text or -1), None
 
 
@@ -187,6 +199,18 @@ def _pieces(params):
       yield leaf_id, name, box, [((...,), s.data)]
 
 
+def _host_pieces(params):
+  """(leaf id, name, box, one host array) for each of this process's pieces."""
+  for leaf_id, name, box, slabs in _pieces(params):
+    if len(slabs) == 1:
+      data = np.asarray(slabs[0][1])
+    else:
+      data = np.empty([b - a for a, b in box], slabs[0][1].dtype)
+      for where, slab in slabs:
+        data[where] = np.asarray(slab)
+    yield leaf_id, name, box, data
+
+
 class WeightPublisher:
   """`version`: the trainer's version at start. Process 0 removes versions above it,
   left by a run that went further before it stopped (resume starts from its last
@@ -194,7 +218,8 @@ class WeightPublisher:
   unlinks every segment of this work dir and every one a dead writer left on the
   host. `sync`: a resolved
   WeightSyncConfig (None: 'files', leaves as held); `dtype`: the dtype floating leaves
-  are published in (WeightSyncConfig.wire_dtype; None: as held)."""
+  are published in (WeightSyncConfig.wire_dtype; None: as held). With 'ray', process 0
+  without a `version` (the driver) creates the registry the trainers' publishers use."""
 
   def __init__(self, workdir: str, keep: int = 3, process: int = 0, version: int | None = None,
                sync: WeightSyncConfig | None = None, dtype: str | None = None):
@@ -205,6 +230,11 @@ class WeightPublisher:
     if sync is not None and sync.transport == "auto":
       raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
     self.shm_dir, self.tag = (sync.shm_dir, _segment_tag(self.dir)) if self.shm else (None, None)
+    self.registry = None
+    if sync is not None and sync.transport == "ray":
+      self.registry_name = weight_objects.registry_name(_segment_tag(self.dir))
+      self.registry = weight_objects.registry(self.registry_name,
+                                              create=process == 0 and version is None)
     self.pool = None
     if self.shm and sync.spare_segments > 0:
       self.pool = SegmentPool(sync.spare_segments, lambda n: os.path.join(
@@ -214,6 +244,9 @@ class WeightPublisher:
         if v > version:
           shutil.rmtree(_version_dir(self.dir, v), ignore_errors=True)
       self._drop_segments_pointer()  # a previous run's segments: gone, or going now
+      if self.registry is not None:  # a previous trainer group's objects died with it
+        import ray
+        ray.get(self.registry.clear.remote())
       if self.shm:  # this work dir's leftovers, and what killed trainers left on the host
         self._unlink(lambda tag, pid, v: tag == self.tag or not _alive(pid))
 
@@ -231,14 +264,11 @@ class WeightPublisher:
     params = jax.tree.map(self._cast, params)
     if self.shm:
       return self._write_segment(version, params)
+    if self.registry is not None:
+      weight_objects.put_part(self.registry, version, self.process, _host_pieces(params))
+      return f"ray:{self.registry_name}/v{version}/p{self.process}"
     index, arrays = [], {}
-    for leaf_id, _, box, slabs in _pieces(params):
-      if len(slabs) == 1:
-        data = np.asarray(slabs[0][1])
-      else:
-        data = np.empty([b - a for a, b in box], slabs[0][1].dtype)
-        for where, slab in slabs:
-          data[where] = np.asarray(slab)
+    for leaf_id, _, box, data in _host_pieces(params):
       arrays[f"a{len(index)}"] = data
       index.append([leaf_id, [list(b) for b in box]])
     folder = _version_dir(self.dir, version)
@@ -270,6 +300,14 @@ class WeightPublisher:
 
   def commit(self, version: int, parts: int = 1) -> None:
     """(process 0) Every part of `version` is written: make it the latest."""
+    if self.registry is not None:
+      import ray
+      missing = ray.get(self.registry.commit.remote(version, parts))
+      if missing:
+        raise RuntimeError(f"weights v{version}: parts {missing} of {parts} are not in the "
+                           f"registry {self.registry_name}")
+      _write_latest(self.dir, json.dumps({"version": version, "ray": self.registry_name}))
+      return
     if self.shm:
       # Each part's writer is a process of its own: find the parts by name.
       found = {}
@@ -318,7 +356,7 @@ class WeightPublisher:
   def _drop_segments_pointer(self) -> None:
     """Removes LATEST if it names segments (before they go, so no reader is told to
     open one that is not there)."""
-    if _read_latest(self.dir)[1] is not None:
+    if _read_latest(self.dir)[1] is not None:  # segments or the registry: not files
       try:
         os.unlink(os.path.join(self.dir, "LATEST"))
       except FileNotFoundError:
@@ -342,16 +380,22 @@ class WeightSubscriber:
     self.specs = [(tuple(np.shape(x)), np.dtype(x.dtype)) for _, x in flat]
     self.verify = verify
     self.version = -1
+    self._registry = None  # ('ray': (name, actor handle))
 
   def latest_version(self) -> int:
     return _read_latest(self.dir)[0]
 
   def poll(self):
     """(version, params) if a newer version exists, else None."""
-    v, segments = _read_latest(self.dir)
+    v, where = _read_latest(self.dir)
     if v <= self.version:
       return None
-    leaves = self._from_segments(v, segments) if segments is not None else self._from_files(v)
+    if where is None:
+      leaves = self._from_files(v)
+    elif "ray" in where:
+      leaves = self._from_ray(v, where["ray"])
+    else:
+      leaves = self._from_segments(v, where["segments"])
     if leaves is None:
       return None
     self.version = v
@@ -365,13 +409,27 @@ class WeightSubscriber:
         return None  # released by a newer commit while this one was read
       raise WeightSyncError(
           f"weights v{v}: segment {e.filename}, named by {self.dir}/LATEST, is not there: is "
-          "this worker on another host than the trainer (WeightSyncConfig.transport = "
-          "'files' serves that), or was the host's /dev/shm cleared?") from None
-    leaves: list = [None] * len(self.specs)
-    filled = [0] * len(self.specs)
-    for path, head, pieces in read:
+          "this worker on another host than the trainer (a Ray cluster's transport, "
+          "'ray', serves that), or was the host's /dev/shm cleared?") from None
+    for path, head, _ in read:
       if head["version"] != v:
         raise SegmentError(f"weight segment {path}: version {head['version']}, LATEST says {v}")
+    return self._assemble(v, [(path, pieces) for path, _, pieces in read])
+
+  def _from_ray(self, v: int, name: str):
+    if self._registry is None or self._registry[0] != name:
+      self._registry = (name, weight_objects.registry(name, create=False))
+    parts = weight_objects.get_parts(self._registry[1], v)
+    if parts is None:
+      return None  # dropped for a newer version, or its writer died: a newer one comes
+    return self._assemble(v, [(f"ray:{name}/v{v}/p{k}", p) for k, p in enumerate(parts)])
+
+  def _assemble(self, v: int, parts):
+    """The leaves from each part's pieces: a piece that is the whole leaf as it is (a
+    view, no copy), smaller ones copied into place."""
+    leaves: list = [None] * len(self.specs)
+    filled = [0] * len(self.specs)
+    for path, pieces in parts:
       for p in pieces:
         shape, dtype = self._check(v, path, p.leaf, p.name, p.box, p.data)
         if p.data.shape == shape:
@@ -381,7 +439,7 @@ class WeightSubscriber:
             leaves[p.leaf] = np.empty(shape, dtype)
           leaves[p.leaf][tuple(slice(a, b) for a, b in p.box)] = p.data
         filled[p.leaf] += p.data.size
-    self._check_covered(v, leaves, filled, paths[0])
+    self._check_covered(v, leaves, filled, parts[0][0])
     return leaves
 
   def _check(self, v: int, path: str, leaf: int, name: str, box, data):

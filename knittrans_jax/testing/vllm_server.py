@@ -71,7 +71,9 @@ def server_command(model_dir: str, host: str, port: int, max_model_len: int,
           "--dtype", dtype, "--logprobs-mode", "processed_logprobs",
           "--max-model-len", str(max_model_len), "--seed", str(seed),
           "--kv-cache-memory-bytes", str(kv_cache_bytes), "--worker-extension-cls", EXTENSION,
-          "--disable-log-stats", "--enable-prefix-caching"]
+          "--disable-log-stats", "--enable-prefix-caching",
+          # Whole prefills (the CPU build's seeded generators cannot rewind a split one).
+          "--no-enable-chunked-prefill", "--max-num-batched-tokens", str(max(max_model_len, 8192))]
 
 
 def start_vllm_server(model_dir: str, max_model_len: int = 256, host: str = "127.0.0.1",
