@@ -141,7 +141,9 @@ def model_flops(a) -> dict:
 
 def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   """Trains consumer `rank`'s share of `works` (one StepWork per mini-batch)."""
-  os.environ["XLA_FLAGS"] = ""
+  from knittrans_jax.rollout.worker import one_device_xla_flags
+  # One CPU device each; the caller's other XLA flags (e.g. the suite's faster compiles) kept.
+  os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp

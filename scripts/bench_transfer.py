@@ -100,7 +100,9 @@ def build_store(root, workload, mini_batches, prompts, seq, seed=0, dedup=True):
 
 
 def consumer(rank, store_url, works, seq, depth, conn, results, go, ready):
-  os.environ["XLA_FLAGS"] = ""
+  from knittrans_jax.rollout.worker import one_device_xla_flags
+  # One CPU device each; the caller's other XLA flags (e.g. the suite's faster compiles) kept.
+  os.environ["XLA_FLAGS"] = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   import jax.numpy as jnp

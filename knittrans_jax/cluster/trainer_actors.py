@@ -24,6 +24,7 @@ from typing import Callable
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 from knittrans_jax.job.roles import TrainerLost
 from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber, WeightSyncConfig
+from knittrans_jax.rollout.worker import one_device_xla_flags
 
 
 def _free_port(host: str) -> int:
@@ -152,8 +153,10 @@ class RayTrainerGroup:
       raise RuntimeError(f"RayConfig.trainers = {T} actors of {bundle} ({cfg.trainer_strategy}) "
                          f"could not be placed in {cfg.startup_timeout_s:g} s; the cluster has "
                          f"{ray.available_resources()}") from None
-    env = {**actor_env(cfg),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={cfg.devices_per_trainer}"}
+    # The driver's other XLA flags (dumps, optimisation level) kept; its device count not.
+    flags = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
+    env = {**actor_env(cfg), "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count="
+                                          f"{cfg.devices_per_trainer}".strip()}
     cls = ray.remote(TrainerActor)
     self.actors = [cls.options(
         max_restarts=0, max_task_retries=0, num_cpus=bundle.get("CPU", 0),
