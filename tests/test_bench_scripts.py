@@ -8,11 +8,6 @@ import sys
 
 import pytest
 
-from knittrans_jax.rollout.worker import one_device_xla_flags
-
-# Toy job runs on one device (each run its own process); the suite's other XLA flags kept.
-ONE_DEVICE = one_device_xla_flags(os.environ.get("XLA_FLAGS", ""))
-
 
 @pytest.mark.slow
 def test_bench_store_writes_its_json(tmp_path):
@@ -231,8 +226,7 @@ def test_bench_throughput_interleaves_and_reads_the_steady_state(tmp_path, monke
                          "tb: JobConfig.policy = 'train_batch'; JobConfig.window = 8",
                          "--config", "cp: JobConfig.policy = 'constraint_preserving'",
                          "--repeats", "2", "--train_batches", "2", "--skip_train_batches", "1",
-                         "--json", str(out)], capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "XLA_FLAGS": ONE_DEVICE})
+                         "--json", str(out)], capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
   assert list(r["configurations"]) == ["tb", "cp"] and r["skipped_steps"] > 0
@@ -290,7 +284,7 @@ def test_real_staleness_runs_the_job_and_replays_each_run(tmp_path, monkeypatch)
                          "configs/agentic_test.gin", "--seeds", "0", "--train_batches", "2",
                          "--skip_train_batches", "1", "--windows", "2", "--dispatch", "shuffled",
                          "--json", str(out)], capture_output=True, text=True, timeout=600,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ONE_DEVICE})
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert proc.returncode == 0, proc.stderr[-3000:]
   r = json.loads(out.read_text())
   assert set(r["reduction_by_baseline_window"]) == {"G", "2G", "4G"} and r["G"] == 8

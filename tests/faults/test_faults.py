@@ -15,9 +15,9 @@ def _clean(outcome):
 
 
 def test_writer_sigkill_mid_write(tmp_path):
-  out = writer_kill.run(str(tmp_path), trials=10)  # scripts/fault_report.py runs more
+  out = writer_kill.run(str(tmp_path), trials=6)  # scripts/fault_report.py runs more
   _clean(out)
-  assert out.trials == 10 and out.trained == out.written
+  assert out.trials == 6 and out.trained == out.written
 
 
 def test_corrupt_chunk_quarantines_the_unit_and_keeps_the_rest(tmp_path):
