@@ -6,6 +6,7 @@ and missing parts, a wrong dtype or a run that is not on Ray are clear errors. A
 hosts the job runs on this transport in tests/test_netns_hosts.py and
 tests/test_distributed.py (two trainer processes, each publishing its shards)."""
 import os
+import time
 
 import jax
 import ml_dtypes
@@ -86,6 +87,13 @@ def test_ray_transport_publishes_once_reads_views_and_releases(local_ray, tmp_pa
   WeightPublisher(work, process=0, version=2, sync=SYNC)
   assert WeightSubscriber(work, template).poll() is None
   assert ray.get(reg.get.remote(2)) is None
+  # The creator's close ends the registry (no actor outlives the run).
+  driver.close()
+  deadline = time.monotonic() + 30  # ray.kill is asynchronous
+  with pytest.raises(RuntimeError, match="no weight registry"):
+    while time.monotonic() < deadline:
+      weight_objects.registry(driver.registry_name, create=False)
+      time.sleep(0.1)
 
 
 def test_ray_transport_needs_the_ray_cluster(monkeypatch):

@@ -268,6 +268,7 @@ class RayTrainerGroup:
     for a in self.actors:
       self.ray.kill(a, no_restart=True)
     self.actors = []
+    self.publisher.close()  # 'ray': the registry actor goes with the group that made it
     if self.pg is not None:
       self.ray.util.remove_placement_group(self.pg)
       self.pg = None

@@ -231,10 +231,11 @@ class WeightPublisher:
       raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
     self.shm_dir, self.tag = (sync.shm_dir, _segment_tag(self.dir)) if self.shm else (None, None)
     self.registry = None
+    self.owns_registry = sync is not None and sync.transport == "ray" and process == 0 \
+        and version is None
     if sync is not None and sync.transport == "ray":
       self.registry_name = weight_objects.registry_name(_segment_tag(self.dir))
-      self.registry = weight_objects.registry(self.registry_name,
-                                              create=process == 0 and version is None)
+      self.registry = weight_objects.registry(self.registry_name, create=self.owns_registry)
     self.pool = None
     if self.shm and sync.spare_segments > 0:
       self.pool = SegmentPool(sync.spare_segments, lambda n: os.path.join(
@@ -345,9 +346,14 @@ class WeightPublisher:
 
   def close(self) -> None:
     """'shm' (process 0): unlinks LATEST and every segment of this work dir (engines that
-    map one keep it until they let go). A no-op for 'files'."""
+    map one keep it until they let go); 'ray', the registry's creator: ends the registry
+    (its references, so Ray frees what no engine holds). A no-op for 'files'."""
     if self.pool is not None:
       self.pool.close()
+    if self.owns_registry and self.registry is not None:  # its creator (the driver) ends it
+      import ray
+      ray.kill(self.registry, no_restart=True)
+      self.registry = None
     if not self.shm or self.process != 0:
       return
     self._drop_segments_pointer()
