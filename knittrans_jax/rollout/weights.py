@@ -23,26 +23,26 @@ published in the engine's dtype (`dtype` = 'engine': DecoderConfig.dtype, e.g.
 bfloat16, half the bytes of float32 master weights; 'param': as trained).
 
 When every part is in place, process 0 replaces `weights/LATEST` (the version; for 'shm'
-also the segments' paths as JSON, for 'ray' the registry's name); files and segments are written under a temporary
-name and renamed, so a reader never sees a partial one.
+also the segments' paths as JSON, for 'ray' the registry's name); files and segments
+are written under a temporary name and renamed, so a reader never sees a partial one.
 
 Release, 'files': versions beyond `keep` are removed. 'ray': the registry drops older
-versions at each commit; Ray frees one when no engine holds an array of it. 'shm', `spare_segments` = 0:
-committing version v unlinks every older segment. An engine still mapping an older
-version keeps its pages (tmpfs frees a file's memory when its last mapping goes): a
-version's memory is freed exactly when it has a newer one and no engine holds it, and a
-worker killed by SIGKILL drops its mappings with its process. `spare_segments` = k > 0
-(default 1): each writer renames its segments LATEST no longer names to spare names at
-its next write, and writes into a spare no engine maps (weight_segment.SegmentPool:
-readers hold a shared flock while they map one); it keeps at most k spares. The host
-then holds the versions engines map, the newest two and up to k spares per writer. A
-reader that read LATEST just before a commit finds its segment gone (or retired) and
-LATEST moved on: it takes the newer version at its next poll. A trainer that finishes or
-aborts unlinks its segments. What a killed trainer leaves (its newest versions, its
-spares) is unlinked by the next trainer to start on the host: names are
-`knittrans-<hash of the work dir>-<writer pid>-v{v:08d}-p{p}` (spares `-spare{n}-p{p}`),
-and a starting trainer unlinks every segment of its work dir and every one whose writer
-is no longer alive.
+versions at each commit; Ray frees one when no engine holds an array of it. 'shm',
+`spare_segments` = 0: committing version v unlinks every older segment. An engine still
+mapping an older version keeps its pages (tmpfs frees a file's memory when its last
+mapping goes): a version's memory is freed exactly when it has a newer one and no engine
+holds it, and a worker killed by SIGKILL drops its mappings with its process.
+`spare_segments` = k > 0 (default 1): each writer renames its segments LATEST no longer
+names to spare names at its next write, and writes into a spare no engine maps
+(weight_segment.SegmentPool: readers hold a shared flock while they map one); it keeps
+at most k spares. The host then holds the versions engines map, the newest two and up to
+k spares per writer. A reader that read LATEST just before a commit finds its segment
+gone (or retired) and LATEST moved on: it takes the newer version at its next poll. A
+trainer that finishes or aborts unlinks its segments. What a killed trainer leaves (its
+newest versions, its spares) is unlinked by the next trainer to start on the host: names
+are `knittrans-<hash of the work dir>-<writer pid>-v{v:08d}-p{p}` (spares
+`-spare{n}-p{p}`), and a starting trainer unlinks every segment of its work dir and
+every one whose writer is no longer alive.
 """
 from __future__ import annotations
 
