@@ -77,8 +77,12 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   assert all(r["micro_batches"] == 1 for r in recs)  # padded: 2 micro-batches of 8 rows
   # The engine's log-probs over whole episodes agree with the trainer's.
   assert summary["logprob_abs_diff_max"] < 1e-4
+  # The reward rises: the second half of the steps against the first, so every step
+  # counts (a step's mean reward scatters by 0.03-0.05 about the run's trend). The last
+  # 8 steps against the first 8 failed once in a loaded suite (2026-12-06: 0.049 against
+  # 0.068); 5 runs beside a load, 2026-12-07, passed: halves 0.060-0.085 -> 0.094-0.140.
   rewards = [r["reward"] for r in recs]
-  assert np.mean(rewards[-8:]) > np.mean(rewards[:8]), rewards
+  assert np.mean(rewards[15:]) > np.mean(rewards[:15]), rewards
   # trace.json: each finished group's generation time and each step's time, which the
   # simulator replays (sim/trace.py) at the run's configuration.
   raw = json.load(open(os.path.join(work, "trace.json")))
