@@ -69,10 +69,18 @@ install-tpu: $(STAMP)
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
+# The package's own modules byte-compiled first: uv compiles site-packages, not an
+# editable install, and where PYTHONDONTWRITEBYTECODE is set (this machine) no process
+# caches them, so each of the suite's processes would compile them from source again
+# (0.3 s an import of the job, docs/status.md, "Tests").
+BYTECODE := $(PY) -m compileall -q -j 0 knittrans_jax scripts tests
+
 test: install $(TEST_STAMP)
+	$(BYTECODE)
 	$(PYTEST) --durations=25 tests
 
 test-fast: install $(TEST_STAMP)
+	$(BYTECODE)
 	$(PYTEST) --durations=10 -m "not slow" tests
 
 bench: install
