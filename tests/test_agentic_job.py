@@ -18,17 +18,24 @@ from test_job import KEEP_ROWS, finish, start
 pytestmark = pytest.mark.slow
 
 
+# 25 train batches of 2 mini-batches: enough steps for the reward to rise by far more
+# than a schedule moves it (below).
+TRAIN_BATCHES = 25
+STEPS = 2 * TRAIN_BATCHES
+
+
 def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   work = tmp_path / "run"
-  out = finish(start(work, "JobConfig.train_batches = 15", "AgenticTaskConfig.fault_rate = 0.03",
+  out = finish(start(work, f"JobConfig.train_batches = {TRAIN_BATCHES}",
+                     "AgenticTaskConfig.fault_rate = 0.03",
                      "AgentConfig.step_timeout_s = 1.0", "AgenticTaskConfig.hang_s = 2.0",
-                     "OptimizerConfig.learning_rate = 5e-2", KEEP_ROWS,
+                     "OptimizerConfig.learning_rate = 3e-2", KEEP_ROWS,
                      gin_file="configs/agentic_test.gin"))
   summary = json.load(open(os.path.join(work, "summary.json")))
   recs = read_metrics(str(work))
   ids = [i for r in recs for i in r["ids"]]
-  assert summary["steps"] == len(recs) == 30
-  assert len(ids) == len(set(ids)) == summary["trajectories"] == 30 * 16, "trained twice"
+  assert summary["steps"] == len(recs) == STEPS
+  assert len(ids) == len(set(ids)) == summary["trajectories"] == STEPS * 16, "trained twice"
   assert summary["quota_violations"] == 0
   # Faults failed some groups; each was replaced (the controller's 'failed'), named
   # in the log with its environment and step.
@@ -77,19 +84,22 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   assert all(r["micro_batches"] == 1 for r in recs)  # padded: 2 micro-batches of 8 rows
   # The engine's log-probs over whole episodes agree with the trainer's.
   assert summary["logprob_abs_diff_max"] < 1e-4
-  # The reward rises: the second half of the steps against the first, so every step
-  # counts (a step's mean reward scatters by 0.03-0.05 about the run's trend). The last
-  # 8 steps against the first 8 failed once in a loaded suite (2026-12-06: 0.049 against
-  # 0.068); 5 runs beside a load, 2026-12-07, passed: halves 0.060-0.085 -> 0.094-0.140.
+  # The reward rises: the second half of the steps against the first. A step's mean
+  # reward scatters by 0.03-0.05 about the run's trend, and the trend itself moves with
+  # the schedule the machine's load gives this asynchronous job. At 30 steps and a
+  # learning rate of 5e-2 the check failed in 2 of 8 clean-clone suites (2026-12-06/07;
+  # halves 0.071 -> 0.066 in the second). Beside a load of XLA tests, 2026-12-07, the
+  # halves gained 0.021-0.049 at 30 steps (6 runs, 5e-2 and 3e-2), and at 50 steps 0.055
+  # and 0.057 at 5e-2, 0.075 and 0.087 at 3e-2 (docs/status.md, "Tests").
   rewards = [r["reward"] for r in recs]
-  assert np.mean(rewards[15:]) > np.mean(rewards[:15]), rewards
+  assert np.mean(rewards[STEPS // 2:]) > np.mean(rewards[:STEPS // 2]), rewards
   # trace.json: each finished group's generation time and each step's time, which the
   # simulator replays (sim/trace.py) at the run's configuration.
   raw = json.load(open(os.path.join(work, "trace.json")))
-  assert len(raw["step_seconds"]) == 30 and all(t > 0 for t in raw["step_seconds"])
+  assert len(raw["step_seconds"]) == STEPS and all(t > 0 for t in raw["step_seconds"])
   assert {g["group"] for g in raw["groups"]} >= {metas[i].group_id for i in ids}
   trace = Trace.from_run(str(work))
   assert set(trace.group_seconds) == {"hop", "nearest"} and trace.concurrent_groups is None
-  sim = steady_state(simulate(trace.sim_config(15), raw["policy"], window=raw["window"],
+  sim = steady_state(simulate(trace.sim_config(TRAIN_BATCHES), raw["policy"], window=raw["window"],
                               dispatch=raw["dispatch"]), trace.spec, skip_steps=2)
   assert sim["traj_per_s"] > 0 and sim["quota_violations"] == 0
