@@ -238,6 +238,33 @@ def test_shm_damaged_truncated_missing_and_misshapen_segments_are_named(tmp_path
     WeightSubscriber(work, wider).poll()
 
 
+def test_shm_without_verify_stores_no_data_crc_and_still_checks_the_header(tmp_path):
+  """WeightSyncConfig.verify = False: the publisher computes no data crc32c (a pass
+  over the bytes), readers check none; the header's own crc is still checked."""
+  params = template()
+  sync = WeightSyncConfig(transport="shm", shm_dir=str(tmp_path / "shm"), verify=False)
+  os.makedirs(sync.shm_dir)
+  pub = WeightPublisher(str(tmp_path / "work"), sync=sync)
+  for v in (1, 2, 3):  # the third is written into a spare (the pool's path)
+    pub.write_part(v, params)
+    pub.commit(v)
+    path = str(tmp_path / "shm" / [n for n in segments(tmp_path) if f"-v{v:08d}-" in n][0])
+    head, _ = read_segment(path)
+    assert head["version"] == v and head["data_crc32c"] is None
+    version, got = WeightSubscriber(str(tmp_path / "work"), params, verify=False).poll()
+    assert version == v
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
+      np.testing.assert_array_equal(a, np.asarray(b))
+  assert pub.pool.reused >= 1
+  with open(path, "r+b") as f:  # a flipped byte in the header's JSON
+    f.seek(70)
+    byte = f.read(1)
+    f.seek(70)
+    f.write(bytes([byte[0] ^ 1]))
+  with pytest.raises(SegmentError, match=r"header crc32c 0x\w+, stored 0x\w+ \(damaged\)"):
+    read_segment(path)
+
+
 def test_shm_parts_of_several_processes_assemble(tmp_path):
   x = np.arange(24, dtype=np.float32).reshape(6, 4)
   pub = shm_publisher(tmp_path)

@@ -69,7 +69,9 @@ DTYPES = ("engine", "param")
 @dataclasses.dataclass(frozen=True)
 class WeightSyncConfig:
   """How weights reach the rollout workers (module docstring). `verify`: subscribers
-  check each segment's data crc32c (one pass over its bytes per worker and version).
+  check each segment's data crc32c (one pass over its bytes per worker and version);
+  False: the publisher stores none either ('shm'), one pass less at each end (a
+  segment's header crc, size and piece bounds are still checked).
   `spare_segments` ('shm'): retired segments each trainer process keeps, mapped, to
   write later versions into (no allocation, no page faults: most of a publish's cost);
   0 unlinks each one as soon as a newer version is committed."""
@@ -227,6 +229,7 @@ class WeightPublisher:
     os.makedirs(self.dir, exist_ok=True)
     self.keep, self.process, self.dtype = keep, process, dtype
     self.shm = sync is not None and sync.transport == "shm"
+    self.checksum = sync is None or sync.verify  # no reader checks it: not computed
     if sync is not None and sync.transport == "auto":
       raise ValueError("WeightPublisher: WeightSyncConfig.transport = 'auto'; resolve() it first")
     self.shm_dir, self.tag = (sync.shm_dir, _segment_tag(self.dir)) if self.shm else (None, None)
@@ -290,13 +293,13 @@ class WeightPublisher:
                              tuple(b - a for a, b in box), fill))
     path = self._segment(version, self.process)
     if self.pool is None:
-      write_segment(path, version, self.process, pieces)
+      write_segment(path, version, self.process, pieces, checksum=self.checksum)
       return path
     latest = _read_latest(self.dir)[0]
     for old in self.pool.live():  # versions LATEST no longer names: spares from now on
       if _parse_segment(os.path.basename(old))[2] < latest:
         self.pool.retire(old)
-    self.pool.write(path, version, self.process, pieces)
+    self.pool.write(path, version, self.process, pieces, checksum=self.checksum)
     return path
 
   def commit(self, version: int, parts: int = 1) -> None:
