@@ -81,7 +81,14 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   padded = 1 - np.mean([sum(metas[i].length for i in r["ids"]) / (80 * len(r["ids"]))
                         for r in recs])
   assert summary["padding_fraction"] < padded - 0.1, (summary["padding_fraction"], padded)
-  assert all(r["micro_batches"] == 1 for r in recs)  # padded: 2 micro-batches of 8 rows
+  # Padded, a step is 2 micro-batches of 8 rows (16 episodes). Packed, most steps fit one;
+  # a step whose long-tailed episodes overflow a consumer's row of 80 takes two (1 in 50
+  # steps of a clean-clone suite, 2026-12-07, failed an earlier "always one" check).
+  for r in recs:
+    filled = sum(metas[i].length for i in r["ids"])
+    assert -(-filled // (8 * 80)) <= r["micro_batches"] <= 2, (filled, r["micro_batches"])
+    assert r["padding_fraction"] == pytest.approx(1 - filled / (r["micro_batches"] * 8 * 80))
+  assert np.mean([r["micro_batches"] for r in recs]) < 1.5
   # The engine's log-probs over whole episodes agree with the trainer's.
   assert summary["logprob_abs_diff_max"] < 1e-4
   # The reward rises: the second half of the steps against the first. A step's mean
