@@ -74,7 +74,7 @@ def test_bit_flip_detected_with_payload_checksum(tmp_path):
   _good_unit_still_readable(fresh)
 
 
-@pytest.mark.parametrize("target", ["rows", "reward", "commit"])
+@pytest.mark.parametrize("target", ["rows", "commit"])  # the reward: a column of rows
 def test_damaged_metadata_is_detected_and_watcher_skips_the_unit(tmp_path, target):
   store, root = _store(tmp_path)
   path = _chunk(root, "bad", target)
@@ -89,6 +89,31 @@ def test_damaged_metadata_is_detected_and_watcher_skips_the_unit(tmp_path, targe
   assert set(watcher.failed) == {"bad"} and "bad" in str(watcher.failed["bad"])
   assert {m.unit for m in metas} == {"good"} and len(metas) == 6 * N
   _good_unit_still_readable(fresh)
+
+
+def test_negative_rewards_are_kept_and_a_non_finite_one_is_damage(tmp_path):
+  """Format 6 keeps the reward's float64 bits among the int64 row columns: a negative
+  reward is a negative integer there, which must not read as a missing chunk's fill
+  value, to a reader or to a writer reopening the unit mid-chunk; a NaN there (the
+  bits of -1, a missing chunk's) is damage."""
+  store, root = _store(tmp_path)
+  rewards = [-0.5, -1e300, -0.0, 2.0]
+  w = store.writer("neg")
+  for g in range(3):  # a new writer each time: its tail check reads the negative rewards
+    w = store.writer("neg")
+    w.append([dataclasses.replace(t, reward=r) for t, r in zip(group(SEED, 500 + g, N), rewards)])
+  metas = _fresh(store).list_committed("neg")
+  assert [m.reward for m in metas] == rewards * 3
+  assert [str(m.reward) for m in metas][2] == "-0.0"  # the bits, not a value near them
+  reader = _fresh(store).reader("neg")
+  reader.commit()  # opens `rows` as the unit's format has it
+  rows = reader.arrays["rows"]
+  row = rows[5].read().result()
+  row[L.REWARD] = np.array(np.nan).view(np.int64)
+  rows[5].write(row).result()  # through TensorStore: the chunk's crc32c stays valid
+  with pytest.raises(CorruptUnitError, match="inconsistent"):
+    _fresh(store).list_committed("neg")
+  _good_unit_still_readable(_fresh(store))
 
 
 def test_missing_row_chunk_is_detected(tmp_path):

@@ -135,3 +135,48 @@ def test_a_missing_payload_chunk_is_an_error(tmp_path, checksum):
   os.remove(unit / "sequences" / "c" / "1")
   with pytest.raises(CorruptUnitError, match="sequences/c/1 is missing"):
     store.read(metas).result()
+
+
+def test_the_commit_marker_is_rewritten_in_place_and_a_torn_read_is_read_again(tmp_path):
+  """A local writer rewrites its commit marker in place (one pwrite; storage/commit.py):
+  the same file across appends, each append visible. A read that meets a marker half
+  written (its crc32c fails) is read again; one that stays damaged is an error."""
+  from knittrans_jax.storage import commit as C
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", StoreSchema(sources=SOURCES,
+                                                                      max_response_len=512))
+  w = store.writer("u")
+  w.append(group(SEED, 0, N))
+  path = tmp_path / "s" / "u" / "commit" / "c" / "0"
+  inode = os.stat(path).st_ino
+  for g in range(1, 4):
+    w.append(group(SEED, g, N))
+    assert TrajectoryStore.open(store.url).reader("u").commit().rows == (g + 1) * N
+  assert os.stat(path).st_ino == inode  # rewritten, not replaced
+  reader = TrajectoryStore.open(store.url).reader("u")
+  real = reader.arrays["commit"]
+
+  class Torn:  # the first `fail` reads meet the marker half written
+    def __init__(self, fail):
+      self.fail = fail
+
+    def read(self):
+      if self.fail:
+        self.fail -= 1
+        raise ValueError("crc32c checksum mismatch")
+      return real.read()
+  assert C.read_commit("u", Torn(C.READ_ATTEMPTS - 1)).rows == 4 * N
+  with pytest.raises(CorruptUnitError, match="'u'.*commit marker unreadable"):
+    C.read_commit("u", Torn(C.READ_ATTEMPTS))
+  # Half of a new marker's bytes, as a read could meet them: damage until the rest lands.
+  whole = path.read_bytes()
+  new = C.Commit(rows=5 * N, tokens=1, format=L.FORMAT_VERSION).to_array().tobytes()
+  path.write_bytes(new[:16] + whole[16:])
+  with pytest.raises(CorruptUnitError, match="commit marker unreadable"):
+    TrajectoryStore.open(store.url).reader("u").commit()
+  # A marker file cut short is replaced whole by the writer's next append.
+  path.write_bytes(whole[:10])
+  w.append(group(SEED, 4, N))
+  assert os.stat(path).st_size == len(whole)
+  fresh = TrajectoryStore.open(store.url)
+  assert fresh.reader("u").commit().rows == 5 * N
+  check_payload(fresh.read(fresh.list_committed("u")).result(), SEED, N)

@@ -257,6 +257,6 @@ def test_a_unit_of_an_unknown_or_old_format_is_refused_clearly(tmp_path):
     raw[L.C_FORMAT] = fmt
     commit.write(raw).result()
     with pytest.raises(CorruptUnitError,
-                       match=rf"'u'.*format {fmt} is not one this version reads \(3, 4, 5\){why}"):
+                       match=rf"'u'.*format {fmt} is not one this version reads \(3, 4, 5, 6\){why}"):
       TrajectoryStore.open(store.url).list_committed("u")
   assert os.path.exists(root / "u" / "unit.json")

@@ -185,8 +185,8 @@ def test_a_commit_marker_write_with_a_lost_answer_is_resolved_from_the_store(mon
   w.append(group(SEED, 0, N))
   real_write, real_read = unit_writer.write_commit, unit_writer.read_commit
 
-  def write_then_fail(array, commit, local_dir=None):
-    real_write(array, commit, local_dir)
+  def write_then_fail(array, commit, local_dir=None, in_place=False):
+    real_write(array, commit, local_dir, in_place)
     raise OSError("connection reset after the PUT")
 
   monkeypatch.setattr(unit_writer, "write_commit", write_then_fail)

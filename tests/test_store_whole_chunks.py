@@ -42,8 +42,8 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path,
                                                                             durable=durable))
   real_replace = file_chunks.replace
 
-  def failing_reward(path, *args, **kw):
-    if "/reward/" in path:
+  def failing_rows(path, *args, **kw):
+    if "/rows/" in path:
       raise OSError("injected write failure")
     return real_replace(path, *args, **kw)
   rng = np.random.default_rng(SEED)
@@ -53,13 +53,13 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path,
     if gid in (4, 9):  # a new writer resumes mid-chunk from what is on the store
       w = store.writer("u")
     if gid == 7:  # a failed append, after its other writes: nothing of it commits
-      real = w._arrays["reward"]
-      w._arrays["reward"] = _FailingWrites(real)
-      monkeypatch.setattr(file_chunks, "replace", failing_reward)
+      real = w._arrays["rows"]
+      w._arrays["rows"] = _FailingWrites(real)
+      monkeypatch.setattr(file_chunks, "replace", failing_rows)
       with pytest.raises(StoreError, match="injected write failure"):
         w.append([dataclasses.replace(t, image_ids=(images[6].id,)) for t in group(SEED, 99, N)],
                  images=[images[6]])
-      w._arrays["reward"] = real
+      w._arrays["rows"] = real
       monkeypatch.setattr(file_chunks, "replace", real_replace)
     image = images[gid // 2]
     w.append([dataclasses.replace(t, image_ids=(image.id,)) for t in group(SEED, gid, N)],
@@ -82,7 +82,7 @@ def test_resumed_writers_and_a_failed_append_keep_every_committed_byte(tmp_path,
   last = arrays["sequences"][k * 64 * L.SEQ_BYTES:(k + 1) * 64 * L.SEQ_BYTES].read().result()
   for o, (_, dt) in zip(L.seq_plane_offsets(64), L.SEQ_FIELDS):  # each plane's end
     assert (last[o + j * dt.itemsize:o + 64 * dt.itemsize] == L.SEQ_FILL).all()
-  assert np.isnan(arrays["reward"][commit.rows:-(-commit.rows // 4) * 4].read().result()).all()
+  assert (arrays["rows"][commit.rows:-(-commit.rows // 4) * 4].read().result() == L.ROWS_FILL).all()
 
 
 @pytest.mark.parametrize("checksum,exchange,local", [

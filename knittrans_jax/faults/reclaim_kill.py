@@ -41,6 +41,8 @@ def _left_behind(store: TrajectoryStore, unit: str) -> list[str]:
   keys = {k.decode() for k in kv.list().result()}
   left = []
   for name, keep in floors.keep().items():
+    if name not in arrays:  # `reward` before format 6 only
+      continue
     c, ndim = chunk_geometry(name, arrays[name])
     left += [key for k in range(keep // c) if (key := chunk_key(name, k, ndim)) in keys]
   return left

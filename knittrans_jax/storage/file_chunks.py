@@ -188,6 +188,30 @@ def _crc32c(parts: list) -> bytes:
   return crc.to_bytes(4, "little")
 
 
+def rewrite_small(path: str, data: np.ndarray) -> bool:
+  """Writes a chunk of at most one page (`data`'s bytes, then their crc32c) over the
+  file at `path` in place, with one `pwrite`, if that file exists with the chunk's
+  size; False (nothing written) if it does not. One system call of under a page is
+  whole or absent to a killed process; a reader may read it half written, which its
+  crc32c catches (storage/commit.py reads the marker again then)."""
+  raw = data.reshape(-1).view(np.uint8)
+  buf = raw.tobytes() + _crc32c([raw])
+  if len(buf) > 4096:
+    raise ValueError(f"rewrite_small: {len(buf)} bytes is more than a page")
+  try:
+    fd = os.open(path, os.O_WRONLY)
+  except FileNotFoundError:
+    return False
+  try:
+    if os.fstat(fd).st_size != len(buf):
+      return False
+    if os.pwrite(fd, buf, 0) != len(buf):
+      raise ChunkFileError(f"chunk file {path}: short write")
+  finally:
+    os.close(fd)
+  return True
+
+
 def replace(path: str, data, checksum: bool, pool: FreePool | None = None,
             exchange: bool = True) -> None:
   """Writes a whole chunk file (a C-contiguous array's bytes, or a list of buffers in

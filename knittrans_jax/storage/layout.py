@@ -8,8 +8,9 @@ chunks written on demand, so appends never rewrite array metadata):
                                 StoreSchema.token_chunk) as three planes, the
                                 token ids (int32), then their log-probs (float32),
                                 then their loss mask (uint8): 9 bytes per token
-  rows                          int64 [rows, ROW_COLS] per-trajectory columns
-  reward                        float64 [rows]
+  rows                          int64 [rows, ROW_COLS] per-trajectory columns; from
+                                format 6 the reward among them (REWARD)
+  reward                        float64 [rows]: formats 3-5 only
   image_refs                    int64 jagged: image-table indices of each row
   turns                         int64 [turns, TURN_COLS] jagged: each episode row's
                                 turns (response-token start, end, first and
@@ -42,14 +43,21 @@ a per-token version plane in `sequences` would cost 4 bytes a token to say what
 a few numbers a turn say. Units of format 4 are read as having no turns and no
 timings.
 
-Units of formats 3 and 4 are read, not appended to (unless empty). Formats 1 and 2 (the
+Format 6 moves the reward from its own array into `rows` (the REWARD column holds
+its float64 bits): an append on a local store replaces the boundary chunk of each
+crc'd array whole, and one array less is one file less an append (about a tenth of
+its time at 16 trajectories; docs/storage.md, "Measured (issue 46)"). Units of
+format 5 are read with their `reward` array.
+
+Units of formats 3-5 are read, not appended to (unless empty). Formats 1 and 2 (the
 three planes as three arrays; format 1's blake2b image ids) are refused with the
 commit to read them with (storage/commit.py). One file per chunk for all three cuts
 the files an append writes and a read opens by three (docs/storage.md, Measured).
 
 The commit marker holds the committed extent of every array and is written last,
-as a single chunk (one key: replaced atomically by every kvstore driver), so a
-reader that reads it first sees only whole, committed rows.
+as a single chunk (one key: replaced atomically by every kvstore driver; on a local
+file system rewritten in place with one pwrite, storage/commit.py), so a reader that
+reads it first sees only whole, committed rows.
 """
 from __future__ import annotations
 
@@ -63,10 +71,12 @@ from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import TurnSpan
 
 # Format 4 adds the LOSS_TOKENS row column to format 3 (the sequences in one planar
-# array, images keyed by xxh3-128); format 5 the `turns` table and its row columns.
-# Units of formats 3 and 4 are read; a writer appends to one only while it is empty.
-FORMAT_VERSION = 5
-READABLE_FORMATS = (3, 4, 5)
+# array, images keyed by xxh3-128); format 5 the `turns` table and its row columns;
+# format 6 moves the reward into `rows` (the REWARD column, float64 bits), so an
+# append replaces one small crc'd file less (docs/storage.md, "Measured (issue 46)").
+# Units of formats 3-5 are read; a writer appends to one only while it is empty.
+FORMAT_VERSION = 6
+READABLE_FORMATS = (3, 4, 5, 6)
 LAST_READER_OF = {1: "c68bd4c", 2: "c68bd4c"}  # the last commit that reads formats 1-2
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
@@ -74,13 +84,30 @@ HASH_BYTES = 16
 # Columns of `rows`. End offsets make the arrays jagged: row r spans
 # [end[r-1], end[r]) with end[-1] = 0.
 (TOK_END, PROMPT_LEN, RESPONSE_LEN, SOURCE, GROUP_ID, INDEX_IN_GROUP, V_FIRST,
- V_LAST, REF_END, LOSS_TOKENS, TURN_END, GEN_US, ENV_US) = range(13)
+ V_LAST, REF_END, LOSS_TOKENS, TURN_END, GEN_US, ENV_US, REWARD) = range(14)
 
 
 def row_cols(format_version: int) -> int:
   """Columns of `rows` in units of a format (LOSS_TOKENS from format 4, TURN_END,
-  GEN_US and ENV_US from format 5)."""
-  return {3: 9, 4: 10}.get(format_version, 13)
+  GEN_US and ENV_US from format 5, REWARD from format 6)."""
+  return {3: 9, 4: 10, 5: 13}.get(format_version, 14)
+
+
+def rows_reward(rows: np.ndarray) -> np.ndarray:
+  """The rewards of `rows` (format 6): the REWARD column's bits as float64. A missing
+  chunk's fill value (-1) reads as NaN."""
+  return rows[:, REWARD].view(np.float64)
+
+
+def rows_damaged(rows: np.ndarray, format_version: int) -> bool:
+  """Whether `rows` hold values no writer stores: a negative integer column (the fill
+  value of a missing chunk, or bytes written over) or, from format 6, a reward that
+  is not finite. The reward's bits are a float's, negative for a negative reward."""
+  if not rows.size:
+    return False
+  if format_version < 6:
+    return bool(rows.min() < 0)
+  return bool(rows[:, :REWARD].min() < 0 or not np.isfinite(rows_reward(rows)).all())
 
 
 # Columns of `turns`: response-token offsets [start, end) and versions of a turn.
@@ -137,8 +164,9 @@ def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray
 
 
 PAYLOAD_ARRAYS = ("sequences",)  # the arrays that hold the sequences
-# The arrays whose spec (or existence: `turns` from format 5) depends on the format.
-FORMAT_ARRAYS = ("rows", "turns")
+# The arrays whose spec (or existence: `turns` from format 5, `reward` before 6)
+# depends on the format.
+FORMAT_ARRAYS = ("rows", "reward", "turns")
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -265,7 +293,8 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
       **payload,
       "rows": array_spec(j("rows"), "int64", [M, row_cols(format_version)],
                          [rc, row_cols(format_version)], ROWS_FILL, True),
-      "reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True),
+      **({"reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True)}
+         if format_version < 6 else {}),
       "image_refs": array_spec(j("image_refs"), "int64", [M], [rc], ROWS_FILL, True),
       "images/data": array_spec(j("images/data"), "uint8", [M], [schema.image_chunk_bytes],
                                 0, pay),

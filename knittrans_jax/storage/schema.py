@@ -8,7 +8,7 @@ import gin
 
 
 # Defaults of the fields chosen when a store is created (StoreSchema.for_store).
-DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 18, 1 << 15, 512
+DIRECT_TOKEN_CHUNK, KVSTORE_TOKEN_CHUNK, ROW_CHUNK = 1 << 18, 1 << 15, 64
 _CHOSEN_AT_CREATE = ("token_chunk", "row_chunk")
 RETENTION = ("trained", "all")
 
@@ -28,8 +28,11 @@ class StoreSchema:
     32768 (288 KiB) otherwise, where every read fetches (and checks) whole chunks
     and every append rewrites the boundary chunk from its start, so both stay
     small (docs/storage.md, "Chunk sizes").
-  row_chunk: rows per chunk of the per-trajectory columns; None: 512 for a new
-    store (an append of a few rows rewrites its boundary chunk whole).
+  row_chunk: rows per chunk of the per-trajectory columns; None: 64 for a new store.
+    Each append rewrites the boundary chunk of these crc'd arrays whole (112 bytes a
+    row of `rows`), so a smaller chunk is less to write per append (7 KB against 57
+    KB at 512) and more files for a read of many rows' metadata (docs/storage.md,
+    "Measured (issue 46)").
   image_chunk_bytes: bytes per chunk of the image table's data.
   payload_checksum: add a crc32c to every payload chunk (token arrays, images).
     Metadata (rows, image index, commit marker) is always checksummed. Truncated

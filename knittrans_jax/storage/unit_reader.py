@@ -167,10 +167,13 @@ class UnitReader:
     lo = max(start - 1, 0)  # one row earlier gives this range's start offsets
     with ts.Batch() as batch:
       f_rows = self._read("rows", lo, stop, batch)
-      f_rew = self._read("reward", start, stop, batch)
+      # Formats 3-5 keep the reward in an array of its own; 6 among the row columns.
+      f_rew = self._read("reward", start, stop, batch) if commit.format < 6 else None
     try:
-      return self._list(commit, start, stop, self._result(f_rows, "rows"),
-                        self._result(f_rew, "reward"))
+      rows = self._result(f_rows, "rows")
+      reward = (self._result(f_rew, "reward") if f_rew is not None else
+                L.rows_reward(rows[1:] if start > 0 else rows))
+      return self._list(commit, start, stop, rows, reward)
     except CorruptUnitError:
       self.check_rows(start)  # reclaimed while this read ran, not damaged
       raise
@@ -183,7 +186,7 @@ class UnitReader:
     tok_start = np.concatenate([[prev[L.TOK_END]], tok_end[:-1]])
     ref_start = np.concatenate([[prev[L.REF_END]], ref_end[:-1]])
     lengths = rows[:, L.PROMPT_LEN] + rows[:, L.RESPONSE_LEN]
-    if ((rows < 0).any() or not np.isfinite(reward).all()
+    if (L.rows_damaged(rows, commit.format) or not np.isfinite(reward).all()
         or (tok_end - tok_start != lengths).any() or tok_end[-1] > commit.tokens
         or ref_end[-1] > commit.refs
         or (rows[:, L.SOURCE] >= len(self.schema.sources)).any()

@@ -89,8 +89,7 @@ class UnitWriter:
     c = self._commit
     try:
       self._chunks = WholeChunkAppender(self._arrays, {
-          "sequences": c.tokens, "rows": c.rows,
-          "reward": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
+          "sequences": c.tokens, "rows": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
           "images/index": c.images, "images/hash": c.images, "turns": c.turns},
           self._dir, self._in_place)
     except DamagedTail as e:
@@ -236,7 +235,7 @@ class UnitWriter:
       turn_end += c.turns
       planes = (packed.tokens, packed.logprobs, packed.loss_mask)
       futures += [self._chunks.write_sequences(c.tokens, planes),
-                  write("rows", c.rows, cols.T), write("reward", c.rows, packed.reward)]
+                  write("rows", c.rows, cols.T)]  # the reward among its columns
       if refs.size:
         futures.append(write("image_refs", c.refs, refs))
       if packed.turns.size:
@@ -261,7 +260,8 @@ class UnitWriter:
     new = Commit(rows=n_rows, tokens=n_tok, refs=n_refs, images=n_img, image_bytes=img_bytes,
                  turns=n_turns)
     try:
-      write_commit(self._arrays["commit"], new, self._dir)  # last: this makes the rows visible
+      # last: this makes the rows visible
+      write_commit(self._arrays["commit"], new, self._dir, self._in_place)
     except Exception as e:
       # On a remote store the marker may have landed with only its answer lost, or
       # land later from a request still in flight: ask now, and ask again before the

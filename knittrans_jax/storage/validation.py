@@ -44,9 +44,9 @@ class PackedAppend:
   loss_mask: np.ndarray  # uint8 [T]
   # int64 [ROW_COLS, k]: the `rows` columns, by their layout index, so that the
   # writer fills in the three end offsets (TOK_END, REF_END, TURN_END: they continue
-  # the unit's) and writes the transpose, with no column copied one by one.
+  # the unit's) and writes the transpose, with no column copied one by one. The
+  # reward is among them as its float64 bits (REWARD).
   cols: np.ndarray
-  reward: np.ndarray  # float64 [k]
   image_ids: list[tuple[str, ...]]
   turns: np.ndarray  # int64 [turns, TURN_COLS], every row's turns back to back
   turn_count: np.ndarray  # int64 [k]
@@ -63,13 +63,15 @@ class PackedAppend:
   loss_tokens = property(lambda self: self.cols[L.LOSS_TOKENS])
   gen_us = property(lambda self: self.cols[L.GEN_US])
   env_us = property(lambda self: self.cols[L.ENV_US])
+  reward = property(lambda self: self.cols[L.REWARD].view(np.float64))  # float64 [k]
 
 
-def _row_cols(k: int, **named) -> np.ndarray:
+def _row_cols(k: int, reward, **named) -> np.ndarray:
   """PackedAppend.cols from columns by name (each k values); the writer's columns zero."""
   cols = np.zeros((L.ROW_COLS, k), np.int64)
   for name, values in named.items():
     cols[_COL_INDEX[name]] = values
+  cols[L.REWARD] = np.asarray(reward, np.float64).view(np.int64)
   return cols
 
 
@@ -254,10 +256,11 @@ def _pack_fast(trajectories: Sequence[Trajectory], schema: StoreSchema,
   cols[L.GROUP_ID], cols[L.INDEX_IN_GROUP] = gids, idxs
   cols[L.V_FIRST], cols[L.V_LAST] = list(map(min, versions)), list(map(max, versions))
   cols[L.LOSS_TOKENS] = list(map(np.count_nonzero, ms))
+  cols[L.REWARD] = reward.view(np.int64)
   if type(us) is not list:
     cols[L.GEN_US], cols[L.ENV_US] = us[:len(ps)], us[len(ps):]
   return PackedAppend(tokens=tokens, logprobs=logprobs, loss_mask=mask, cols=cols,
-                      reward=reward, image_ids=ids if type(ids) is list else list(ids),
+                      image_ids=ids if type(ids) is list else list(ids),
                       turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
                       turn_count=np.asarray(turn_count, np.int64))
 
@@ -365,9 +368,9 @@ def _pack(trajectories: Sequence[Trajectory], schema: StoreSchema,
     cols["env_us"].append(env_us)
     turns += spans
     imgs.append(ids)
-  named = {k: v for k, v in cols.items() if k not in ("reward", "turn_count")}
+  named = {k: v for k, v in cols.items() if k != "turn_count"}
   return PackedAppend(tokens=np.concatenate(toks), logprobs=np.concatenate(lps),
                       loss_mask=np.concatenate(masks), cols=_row_cols(len(imgs), **named),
-                      reward=np.asarray(cols["reward"], np.float64), image_ids=imgs,
+                      image_ids=imgs,
                       turns=np.asarray(turns, np.int64).reshape(-1, L.TURN_COLS),
                       turn_count=np.asarray(cols["turn_count"], np.int64))
