@@ -208,3 +208,64 @@ def test_a_missing_boundary_chunk_is_not_appended_over(tmp_path):
   os.remove(tmp_path / "s" / "u" / "sequences" / "c" / "1")
   with pytest.raises(CorruptUnitError, match="'u'.*last chunk of its sequences array"):
     TrajectoryStore.open(store.url).writer("u")
+
+
+@pytest.mark.parametrize("checksum", [False, True])  # in place; replaced whole
+def test_image_copies_are_written_from_their_arrays_across_chunks(tmp_path, monkeypatch,
+                                                                   checksum):
+  """With a copy per trajectory, an append's image bytes go to the chunk files straight
+  from the arrays (whole_chunks.write_bytes; nothing joins them): copies straddling
+  100-byte chunks, a writer reopened mid-chunk, a boundary chunk file cut short (then
+  replaced whole from the tail) and a failed append all leave every image exact."""
+  import os
+  schema = dataclasses.replace(SCHEMA, dedup_images=False, payload_checksum=checksum)
+  store = TrajectoryStore.create(f"file://{tmp_path}/s", schema)
+  rng = np.random.default_rng(SEED)
+  images = [Image.of(rng.integers(0, 255, (7, 9 + g), dtype=np.uint8)) for g in range(5)]
+  monkeypatch.setattr(np, "concatenate", _no_big_joins(np.concatenate))
+  w = store.writer("u")
+  for gid in range(5):
+    if gid == 2:
+      w = TrajectoryStore.open(store.url).writer("u")  # resumes mid-chunk
+    if gid == 3:
+      k = w.commit.image_bytes // 100
+      assert w.commit.image_bytes % 100
+      with open(tmp_path / "s" / "u" / "images" / "data" / "c" / str(k), "r+b") as f:
+        f.truncate(37)  # not a whole chunk file: the next append replaces it whole
+      real_replace = file_chunks.replace
+      monkeypatch.setattr(file_chunks, "replace", _fail_on("/images/data/", real_replace))
+      with pytest.raises(StoreError, match="injected write failure"):
+        w.append([dataclasses.replace(t, image_ids=(images[4].id,)) for t in group(SEED, 99, N)],
+                 images=[images[4]])
+      monkeypatch.setattr(file_chunks, "replace", real_replace)
+    image = images[gid]
+    w.append([dataclasses.replace(t, image_ids=(image.id,)) for t in group(SEED, gid, N)],
+             images=[image])
+  assert w.commit.images == 5 * N and w.commit.image_bytes > 500
+  fresh = TrajectoryStore.open(store.url)
+  metas = fresh.list_committed("u")
+  payload = fresh.read(metas).result()
+  check_payload(payload, SEED, N)
+  for m in metas:
+    np.testing.assert_array_equal(payload.images[m.image_ids[0]], images[m.group_id].array)
+  sizes = {os.path.getsize(p) for p in (tmp_path / "s" / "u" / "images" / "data" / "c").iterdir()}
+  assert sizes == {100 + 4 * checksum}  # whole chunk files only
+
+
+def _no_big_joins(concatenate):
+  """np.concatenate that refuses to join more than 100 bytes of image copies."""
+  def checked(arrays, *args, **kw):
+    arrays = list(arrays)
+    if arrays and all(getattr(a, "dtype", None) == np.uint8 for a in arrays) and sum(
+        a.size for a in arrays) > 100 and len(arrays) > 1:
+      raise AssertionError("image bytes joined before the write")
+    return concatenate(arrays, *args, **kw)
+  return checked
+
+
+def _fail_on(fragment: str, real):
+  def replace(path, *args, **kw):
+    if fragment in path:
+      raise OSError("injected write failure")
+    return real(path, *args, **kw)
+  return replace

@@ -340,7 +340,8 @@ def update(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]]) -> 
 _FILL: dict[int, memoryview] = {}  # fill value -> bytes of it, grown as needed
 
 
-def _fill(value: int, n: int) -> memoryview:
+def fill_bytes(value: int, n: int) -> memoryview:
+  """n bytes of `value` (a shared buffer: read, never written)."""
   have = _FILL.get(value)
   if have is None or len(have) < n:
     have = _FILL[value] = memoryview(np.full(max(n, 1 << 20), value, np.uint8))
@@ -379,11 +380,11 @@ def write_new(path: str, file_bytes: int, pieces: list[tuple[int, memoryview]], 
         parts, at = [], 0
         for offset, data in pieces:
           if offset > at:
-            parts.append(_fill(fill, offset - at))
+            parts.append(fill_bytes(fill, offset - at))
           parts.append(data)
           at = offset + len(data)
         if at < file_bytes:
-          parts.append(_fill(fill, file_bytes - at))
+          parts.append(fill_bytes(fill, file_bytes - at))
         if os.pwritev(fd, parts, 0) != file_bytes:
           raise ChunkFileError(f"chunk file {path}: short write")
       else:

@@ -211,7 +211,7 @@ class UnitWriter:
         rows[k, L.IMG_DIM0:L.IMG_DIM0 + im.ndim] = im.shape
         index[iid] = n_img + k  # without dedup: the newest copy
       hashes = np.stack([hex_to_hash(iid) for iid, _ in new_images])
-      futures += [write("images/data", img_bytes, np.concatenate(blobs)),
+      futures += [self._chunks.write_bytes("images/data", img_bytes, blobs),
                   write("images/index", n_img, rows), write("images/hash", n_img, hashes)]
       n_img, img_bytes = n_img + len(blobs), int(ends[-1])
 

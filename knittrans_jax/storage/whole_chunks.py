@@ -51,6 +51,9 @@ failed append the next one writes from the committed tail again.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import numpy as np
 import tensorstore as ts
 
@@ -259,6 +262,69 @@ class WholeChunkAppender:
                           self.exchange)
     except Exception as e:
       return Written(e)
+    return Written()
+
+  def write_bytes(self, name: str, extent: int, blobs: list[np.ndarray]):
+    """Writes the bytes of `blobs` (C-contiguous uint8 arrays, in order) at [extent,
+    extent + their total) of the 1-D uint8 array `name` (images/data), as `write`
+    writes their concatenation, without making it: each chunk file is written from
+    the blobs' own bytes (a gathered write). Without a crc32c on a local file system
+    a chunk is written in place, as `sequences` is (committed bytes never written; a
+    new chunk into a free or new file: file_chunks.write_new); otherwise replaced
+    whole (the tail, the new bytes, the fill value). An image copy per trajectory
+    (dedup_images=False) is hundreds of MB an append, which joining copied once and
+    `write`'s padded block again, into fresh pages each time. Returns a future.
+    Through TensorStore the blobs are joined and written by `write`."""
+    if self._dir is None:
+      return self.write(name, extent, np.concatenate(blobs))
+    c, tail = self._chunk[name], self._tails[name]
+    start = self._start(name, extent)
+    if extent - start != len(tail):
+      raise AssertionError(f"{name}: tail of {len(tail)} bytes, but the extent {extent} "
+                           f"leaves {extent - start} in its chunk")
+    self._bufs.pop(name, None)  # _write_boundary's copy of the tail: stale from here on
+    views = [memoryview(b).cast("B") for b in blobs]
+    starts = list(itertools.accumulate((len(v) for v in views), initial=0))
+    n = starts[-1]
+    end = extent + n
+
+    def take(r0: int, r1: int) -> list[memoryview]:  # the blobs' bytes [r0, r1) of the call
+      got, i = [], bisect.bisect_right(starts, r0) - 1
+      while r0 < r1:
+        a, b = r0 - starts[i], min(r1, starts[i + 1]) - starts[i]
+        if b > a:
+          got.append(views[i][a:b])
+        r0, i = starts[i] + b, i + 1
+      return got
+
+    fill, crc = int(self._fill[name]), self._crc[name]
+    in_place = self._in_place and not crc
+    try:
+      for k in range(start // c, -(-end // c)):
+        path = file_chunks.chunk_path(self._dir + name, k, 1)
+        lo, hi = max(extent, k * c), min(end, (k + 1) * c)  # the new bytes of chunk k
+        new, committed = take(lo - extent, hi - extent), k * c < extent
+
+        def whole() -> list:  # the chunk's bytes, in file order
+          pad = [file_chunks.fill_bytes(fill, (k + 1) * c - hi)] if hi < (k + 1) * c else []
+          return ([memoryview(tail)] if committed else []) + new + pad
+
+        if in_place:
+          pieces = list(zip(itertools.accumulate((len(v) for v in new), initial=lo - k * c), new))
+          if not committed:
+            file_chunks.write_new(path, c, pieces, fill, self._pool(name))
+          elif not file_chunks.update(path, c, pieces):  # missing or damaged: whole
+            file_chunks.replace(path, whole(), False, None, self.exchange)
+        else:
+          file_chunks.replace(path, whole(), crc, None if committed else self._pool(name),
+                              self.exchange)
+    except Exception as e:
+      return Written(e)
+    last = end - end % c  # the new tail: bytes [last, end), if the last chunk is part filled
+    keep = [tail] if last == start else []
+    self._pending[name] = np.concatenate(
+        keep + [np.frombuffer(v, np.uint8) for v in take(max(last, extent) - extent, n)]
+        if end > last else [tail[:0]])
     return Written()
 
   def reserve_sequences(self, extent: int, n: int) -> list[np.ndarray] | None:
