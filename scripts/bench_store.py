@@ -91,10 +91,16 @@ import time
 import numpy as np
 from tqdm import tqdm
 
+import knittrans_jax
 from knittrans_jax import cli
 from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
 from knittrans_jax.testing.s3_server import start_s3_server
 from knittrans_jax.types import Trajectory
+
+# The package measured. A script run from another checkout imports the editable
+# install's package, not that checkout's, unless PYTHONPATH names the checkout:
+# comparing two commits needs `PYTHONPATH=COPY python COPY/scripts/bench_store.py`.
+PACKAGE_DIR = os.path.dirname(os.path.abspath(knittrans_jax.__file__))
 
 MiB = 2**20
 BYTES_PER_TOKEN = 4 + 4 + 1
@@ -521,6 +527,7 @@ def main():
       shutil.rmtree(base, ignore_errors=True)
   out = dict(results["default"])
   out["cpu_count"] = os.cpu_count()
+  out["package_dir"] = PACKAGE_DIR
   if "checksum" in results:
     out["with_payload_checksum"] = results["checksum"]
   if "s3" in results:
@@ -582,7 +589,7 @@ def _main_steady_state(args) -> None:
     steady = bench_steady_state(root, args.steady_live_mib, args.steady_cycles)
   finally:
     shutil.rmtree(root, ignore_errors=True)
-  out = {"cpu_count": os.cpu_count(), "steady_state": steady}
+  out = {"cpu_count": os.cpu_count(), "package_dir": PACKAGE_DIR, "steady_state": steady}
   os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
@@ -600,6 +607,7 @@ def _main_steady_state(args) -> None:
         + " ".join(f"{b / 1e6:.1f}" for b in s["footprint_bytes"])
         + f"; flat {s['footprint_flat']:.3f} (max / min after the first)")
   print(f"  read of the last half window matches what was written: {s['read_matches_written']}")
+  print(f"  store code: {PACKAGE_DIR}")
   print(f"wrote {args.json}")
 
 
