@@ -129,7 +129,8 @@ def test_an_older_unit_reads_and_an_empty_one_is_continued_in_this_format(tmp_pa
   else:
     assert listed[0].turns and listed[0].gen_seconds > 0
   assert TrajectoryStore.open(url).reader("old").commit().format == fmt
-  with pytest.raises(Exception, match=f"format {fmt}; this version writes format {L.FORMAT_VERSION}"):
+  with pytest.raises(Exception,
+                     match=f"format {fmt}; this version writes format {L.FORMAT_VERSION}"):
     TrajectoryStore.open(url).writer("old")
   store.writer("empty")
   _as_format(url, "empty", store.schema, 4)

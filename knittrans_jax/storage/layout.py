@@ -45,8 +45,8 @@ timings.
 
 Format 6 moves the reward from its own array into `rows` (the REWARD column holds
 its float64 bits): an append on a local store replaces the boundary chunk of each
-crc'd array whole, and one array less is one file less an append (about a tenth of
-its time at 16 trajectories; docs/storage.md, "Measured (issue 46)"). Units of
+crc'd array whole, and one array less is one file less an append (7-9% of its time
+at 16 trajectories; docs/storage.md, "Measured (issue 46)"). Units of
 format 5 are read with their `reward` array.
 
 Units of formats 3-5 are read, not appended to (unless empty). Formats 1 and 2 (the

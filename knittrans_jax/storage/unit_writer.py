@@ -89,8 +89,9 @@ class UnitWriter:
     c = self._commit
     try:
       self._chunks = WholeChunkAppender(self._arrays, {
-          "sequences": c.tokens, "rows": c.rows, "image_refs": c.refs, "images/data": c.image_bytes,
-          "images/index": c.images, "images/hash": c.images, "turns": c.turns},
+          "sequences": c.tokens, "rows": c.rows, "image_refs": c.refs,
+          "images/data": c.image_bytes, "images/index": c.images, "images/hash": c.images,
+          "turns": c.turns},
           self._dir, self._in_place)
     except DamagedTail as e:
       raise CorruptUnitError(self.unit, str(e)) from e
