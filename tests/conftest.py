@@ -53,8 +53,35 @@ def local_ray(tmp_path_factory):
   from knittrans_jax.cluster import ray_setup
   work = tmp_path_factory.mktemp("ray")
   assert ray_setup.connect(ray_setup.RayConfig(node_address="127.0.0.2", num_cpus=8), str(work))
-  yield str(work / "ray" / "auth_token")
+  token = str(work / "ray" / "auth_token")
+  yield token
   ray.shutdown()
+  _kill_strays(token)
+
+
+def _kill_strays(token: str) -> list[int]:
+  """Kills the processes of this Ray session still alive after ray.shutdown(): those
+  started with its token file (RAY_AUTH_TOKEN_PATH, unique to the session). An actor
+  process whose raylet is gone can wait minutes for the GCS to come back (a
+  `WeightRegistry` actor outlived a clean-clone suite by 12 minutes, 2026-12-07); the
+  suite must leave no process behind."""
+  import signal
+  mine, killed = f"RAY_AUTH_TOKEN_PATH={token}".encode(), []
+  for pid in filter(str.isdigit, os.listdir("/proc")):
+    if int(pid) == os.getpid():
+      continue
+    try:
+      with open(f"/proc/{pid}/environ", "rb") as f:
+        if mine not in f.read().split(b"\0"):
+          continue
+      os.kill(int(pid), signal.SIGKILL)
+      killed.append(int(pid))
+    except (OSError, ProcessLookupError):
+      pass  # gone already, or not ours to read
+  if killed:
+    print(f"\nkilled {len(killed)} process(es) of the suite's Ray left after ray.shutdown(): "
+          f"{killed}", file=sys.stderr)
+  return killed
 
 
 # Tests are deterministic: hypothesis draws the same examples on every run.
