@@ -198,18 +198,7 @@ def rewrite_small(path: str, data: np.ndarray) -> bool:
   buf = raw.tobytes() + _crc32c([raw])
   if len(buf) > 4096:
     raise ValueError(f"rewrite_small: {len(buf)} bytes is more than a page")
-  try:
-    fd = os.open(path, os.O_WRONLY)
-  except FileNotFoundError:
-    return False
-  try:
-    if os.fstat(fd).st_size != len(buf):
-      return False
-    if os.pwrite(fd, buf, 0) != len(buf):
-      raise ChunkFileError(f"chunk file {path}: short write")
-  finally:
-    os.close(fd)
-  return True
+  return update(path, len(buf), [(0, buf)])  # one piece: one pwrite
 
 
 def replace(path: str, data, checksum: bool, pool: FreePool | None = None,

@@ -170,18 +170,19 @@ class UnitReader:
       # Formats 3-5 keep the reward in an array of its own; 6 among the row columns.
       f_rew = self._read("reward", start, stop, batch) if commit.format < 6 else None
     try:
-      rows = self._result(f_rows, "rows")
-      reward = (self._result(f_rew, "reward") if f_rew is not None else
-                L.rows_reward(rows[1:] if start > 0 else rows))
-      return self._list(commit, start, stop, rows, reward)
+      return self._list(commit, start, stop, self._result(f_rows, "rows"),
+                        self._result(f_rew, "reward") if f_rew is not None else None)
     except CorruptUnitError:
       self.check_rows(start)  # reclaimed while this read ran, not damaged
       raise
 
   def _list(self, commit: Commit, start: int, stop: int, rows: np.ndarray,
-            reward: np.ndarray) -> list[TrajMeta]:
+            reward: np.ndarray | None) -> list[TrajMeta]:
+    """`reward`: the `reward` array's values (formats 3-5); None: the rows' own (6)."""
     prev = rows[0] if start > 0 else np.zeros(L.row_cols(commit.format), np.int64)
     rows = rows[1:] if start > 0 else rows
+    if reward is None:
+      reward = L.rows_reward(rows)
     tok_end, ref_end = rows[:, L.TOK_END], rows[:, L.REF_END]
     tok_start = np.concatenate([[prev[L.TOK_END]], tok_end[:-1]])
     ref_start = np.concatenate([[prev[L.REF_END]], ref_end[:-1]])
