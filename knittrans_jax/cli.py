@@ -28,6 +28,7 @@ from knittrans_jax import gin_cli
 # Every module with a @gin.configurable, imported before a gin file is parsed.
 CONFIGURABLE_MODULES = (
     "knittrans_jax.admission.dispatch",
+    "knittrans_jax.admission.peers",
     "knittrans_jax.admission.spec",
     "knittrans_jax.cluster.ray_setup",
     "knittrans_jax.job.config",

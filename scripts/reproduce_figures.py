@@ -22,6 +22,11 @@ learning_agentic (scripts/study.py, configs/study/agentic.gin; 10 seeds per conf
   study_agentic_learning_curves.png  the same on multi-turn agentic episodes
 transfer (scripts/bench_transfer.py, text and vlm):
   transfer_latency.png     exposed and raw transfer latency, baseline vs on-demand
+peers (simulator on paper_text.gin and the agentic job's trace; the real job where
+  scripts/real_peers.py has written runs/figures/real_peers_agentic.json):
+  peers_<workload>.png     staleness against throughput for every peer rule over its
+                           own knob beside constraint-preserving's window sweep, and
+                           each rule's quota error and tail bias
 multimodal (scripts/bench_multimodal.py):
   multimodal_step.png      transfer + training per mini-batch: baseline, both
                            ablations, knittrans
@@ -40,6 +45,7 @@ import time
 
 import figures_learning
 import figures_multimodal
+import figures_peers
 import figures_real_job
 import figures_runs
 import figures_staleness
@@ -52,6 +58,7 @@ SECTIONS = {"staleness": figures_staleness.staleness_section,
             "learning": figures_learning.learning_section,
             "learning_agentic": figures_learning.learning_agentic_section,
             "transfer": figures_transfer.transfer_section,
+            "peers": figures_peers.peers_section,
             "multimodal": figures_multimodal.multimodal_section}
 
 
@@ -75,7 +82,7 @@ def write_summary(out, numbers):
 # --quick's main simulator sweep: 6 train batches a run, not paper_text.gin's 20.
 QUICK_SIM_BATCHES = 6
 GROUPS = ("staleness", "runs", "real_job", "learning", "learning_agentic", "transfer",
-          "multimodal")
+          "multimodal", "peers")
 
 
 def main():
@@ -138,6 +145,7 @@ def main():
                                                     args.quick),
       "multimodal": lambda: figures_multimodal.multimodal(args.out, os.path.abspath(args.work),
                                                           args.quick),
+      "peers": lambda: figures_peers.peers(args.out, os.path.abspath(args.work), args.quick),
   }
   t_all = time.perf_counter()
   for group in GROUPS:

@@ -16,6 +16,9 @@ every train batch's quota, is unchanged by construction.
                not clearly faster than the slowest (within `tolerance` or two
                standard errors) keep their shuffled order among themselves; when
                all look alike it is `shuffled`, exactly.
+  ratio        prime-rl's sampler: each group's source drawn independently with
+               probability quota / G (uniform without quotas), so the mix holds in
+               expectation only; for the peer rule prime_rl (peers.py).
 
 Interface (`DispatchStream`; pure Python over metadata; the simulator and the job's
 controller):
@@ -34,7 +37,7 @@ from typing import Mapping, Protocol, Sequence
 import gin
 import numpy as np
 
-DISPATCH_POLICIES = ("shuffled", "quota_aware")
+DISPATCH_POLICIES = ("shuffled", "quota_aware", "ratio")
 
 
 class DispatchStream(Protocol):
@@ -179,10 +182,22 @@ class QuotaAware(Shuffled):
           self.observe(s, v)
 
 
+class Ratio(Shuffled):
+  """Sources drawn independently by their share of the quota block (prime-rl's
+  `rng.choices(env_names, weights=ratios)`): quotas in expectation, not exactly."""
+
+  name = "ratio"
+
+  def next(self) -> str:
+    return str(self._block[self._rng.integers(len(self._block))])
+
+
 def make_dispatch(name: str, spec, sources: Sequence[str], rng: np.random.Generator,
                   **kwargs) -> DispatchStream:
   if name == "shuffled":
     return Shuffled(spec, sources, rng)
   if name == "quota_aware":
     return QuotaAware(spec, sources, rng, **kwargs)
+  if name == "ratio":
+    return Ratio(spec, sources, rng)
   raise ValueError(f"unknown dispatch policy {name!r}; choose one of {DISPATCH_POLICIES}")

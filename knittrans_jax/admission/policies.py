@@ -10,6 +10,9 @@ admitted, and in flight); they differ only in `_next`:
                          constraints and leaves the rest of the train batch
                          feasible (feasibility.py), oldest versions first
 
+The rules peers ship (AReaL, verl, NeMo-RL, prime-rl, tinker-cookbook) share the
+interface in peers.py; registry.py names them all.
+
 Pure Python over metadata; no JAX, no payloads.
 """
 from __future__ import annotations
@@ -26,6 +29,9 @@ from knittrans_jax.types import GroupInfo, MiniBatch
 
 class AdmissionPolicy:
   name = "base"
+  # Peer rules (peers.py) may gate rollout starts (`may_start`) and continue requests in
+  # flight on new weights (verl's partial rollout); ours do neither.
+  interrupts_in_flight = False
 
   def __init__(self, spec: TrainBatchSpec):
     self.spec = spec
@@ -40,6 +46,11 @@ class AdmissionPolicy:
     self.train_batch, self.index = 0, 0  # (k, j) of the next mini-batch
     self._needed = self._fresh_needs()
     self._tokens_seen, self._groups_seen = 0, 0
+    self._started, self._failed, self._emitted = 0, 0, 0  # groups: dispatched, failed, admitted
+    # The trainer's version when each group (by id, where the caller names it) was
+    # dispatched: the stamp NeMo-RL's samplers keep (peers.py); kept until it retires.
+    self._version_seen = 0
+    self._dispatched_at: dict[int, int] = {}
 
   # ---- supply bookkeeping -------------------------------------------------
   def _check_source(self, source: str):
@@ -47,18 +58,38 @@ class AdmissionPolicy:
       raise ValueError(f"source {source!r} has no quota in this spec "
                        f"(quotas: {self.spec.source_quota})")
 
-  def dispatched(self, source: str, count: int = 1) -> None:
-    """`count` groups of `source` were sent to rollout."""
+  def dispatched(self, source: str, count: int = 1, group_id: int | None = None) -> None:
+    """`count` groups of `source` were sent to rollout (one, `group_id`, if named)."""
     self._check_source(source)
     if count < 0:
       raise ValueError(f"dispatched count {count} < 0")
+    if group_id is not None:
+      if count != 1:
+        raise ValueError(f"dispatched(group_id={group_id}) names one group, not count={count}")
+      self._dispatched_at[group_id] = self._version_seen
     self._inflight[source] += count
+    self._started += count
 
-  def failed(self, source: str, count: int = 1) -> None:
-    """`count` dispatched groups of `source` will never finish."""
+  def options(self) -> dict:
+    """The policy's knobs as set (a peer rule's; ours have none): for run records."""
+    return {}
+
+  def may_start(self, version: int) -> bool:
+    """Whether one more group may start rollout now (the trainer at `version`), beyond
+    the caller's window. Ours never gate starts; AReaL's eta and verl's threshold do."""
+    self._version_seen = version
+    return self._gate(version)
+
+  def _gate(self, version: int) -> bool:
+    return True
+
+  def failed(self, source: str, count: int = 1, group_id: int | None = None) -> None:
+    """`count` dispatched groups of `source` will never finish (one, `group_id`, if named)."""
     if count < 0 or count > self._inflight[source]:
       raise ValueError(f"failed({source!r}, {count}) but only {self._inflight[source]} in flight")
+    self._dispatched_at.pop(group_id, None)
     self._inflight[source] -= count
+    self._failed += count
 
   def finished(self, group: GroupInfo) -> list[tuple[GroupInfo, str]]:
     """A dispatched group finished (all n responses). Returns what it dropped: the
@@ -72,6 +103,7 @@ class AdmissionPolicy:
     budget = self.spec.mini_batch_token_budget
     if budget is not None and group.num_tokens > budget:
       self._inflight[group.source] -= 1  # it will never be admitted: not supply
+      self._dispatched_at.pop(group.group_id, None)
       raise InfeasibleSpecError(
           f"group {group.group_id} has {group.num_tokens} tokens, over the per-mini-batch "
           f"token budget {budget}: no mini-batch can ever hold it")
@@ -80,6 +112,7 @@ class AdmissionPolicy:
     self._tokens_seen += group.num_tokens
     self._groups_seen += 1
     if self.spec.drop_zero_signal and group.zero_signal:
+      self._dispatched_at.pop(group.group_id, None)
       self.dropped.append((group, "zero_signal"))
       return [(group, "zero_signal")]
     key = (group.version, next(self._seq))
@@ -102,14 +135,24 @@ class AdmissionPolicy:
         self.dropped.append((groups[k], "stale"))
         self._stale_untaken.append((groups[k], "stale"))
         del self._order[groups[k].group_id]
+        self._dispatched_at.pop(groups[k].group_id, None)
         k += 1
       del groups[:k]
+
+  def _drop(self, grp: GroupInfo, why: str) -> None:
+    """Drops a finished, unadmitted group (reported by `take_dropped`)."""
+    self.dropped.append((grp, why))
+    self._stale_untaken.append((grp, why))
+    del self._order[grp.group_id]
+    self._dispatched_at.pop(grp.group_id, None)
+    self._pool[grp.source].remove(grp)
 
   def _take(self, chosen: Iterable[GroupInfo]) -> None:
     ids = collections.defaultdict(set)
     for grp in chosen:
       ids[grp.source].add(grp.group_id)
       del self._order[grp.group_id]
+      self._dispatched_at.pop(grp.group_id, None)
     for s, gone in ids.items():
       self._pool[s] = [grp for grp in self._pool[s] if grp.group_id not in gone]
 
@@ -124,6 +167,7 @@ class AdmissionPolicy:
   def restore_position(self, position: dict) -> None:
     """Continues train batch k at mini-batch j with its remaining needs (resume)."""
     self.train_batch, self.index = int(position["train_batch"]), int(position["index"])
+    self._version_seen = self.train_batch * self.spec.num_mini_batches + self.index
     needed = position.get("needed")
     self._needed = None if needed is None or self._fresh_needs() is None else dict(needed)
 
@@ -155,6 +199,7 @@ class AdmissionPolicy:
   # ---- admission ----------------------------------------------------------
   def admit(self, current_version: int) -> MiniBatch | None:
     """The next mini-batch, or None if none may be admitted yet. Call until None."""
+    self._version_seen = current_version
     self._drop_stale(current_version)
     chosen = self._next(current_version)
     if chosen is None:
@@ -167,6 +212,7 @@ class AdmissionPolicy:
       for grp in chosen:
         self._needed[grp.source] -= 1
     mb = MiniBatch(self.train_batch, self.index, tuple(chosen), version)
+    self._emitted += len(chosen)
     self.index += 1
     if self.index == self.spec.num_mini_batches:
       self.train_batch, self.index = self.train_batch + 1, 0
@@ -277,12 +323,3 @@ class FifoPolicy(AdmissionPolicy):
 
   def _fresh_needs(self):
     return None  # quotas are ignored, so they are not tracked either
-
-
-POLICIES = {p.name: p for p in (TrainBatchPolicy, FifoPolicy, ConstraintPreservingPolicy)}
-
-
-def make_policy(name: str, spec: TrainBatchSpec) -> AdmissionPolicy:
-  if name not in POLICIES:
-    raise ValueError(f"unknown admission policy {name!r}; choose one of {sorted(POLICIES)}")
-  return POLICIES[name](spec)

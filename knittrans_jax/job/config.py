@@ -6,7 +6,7 @@ import os
 
 import gin
 
-from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.admission import POLICIES, TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 from knittrans_jax.rollout.engine import ENGINES
 
@@ -38,9 +38,15 @@ class JobConfig:
     scored by the verifiable math reward; rollout/math_tasks.py, MathTaskConfig) or
     'agentic' (multi-turn tool episodes run by the agent loop; rollout/agentic_tasks.py,
     AgenticTaskConfig, AgentConfig; seq_len must hold AgentConfig.max_tokens).
+  policy: the admission policy (admission/registry.py): ours ('constraint_preserving',
+    'train_batch', 'fifo') or a peer's rule ('areal', 'verl', 'nemo_weight_fifo',
+    'nemo_windowed', 'prime_rl', 'tinker_discard'; admission/peers.py), whose knobs are
+    gin bindings of its class (e.g. ArealPolicy.max_head_offpolicyness); a rule that
+    gates starts does so inside `window`.
   dispatch: the order groups start in (admission/dispatch.py): 'shuffled' (the data
-    loader's quota-exact blocks in random order) or 'quota_aware' (within each
-    block, the source whose groups take longest to complete first).
+    loader's quota-exact blocks in random order), 'quota_aware' (within each
+    block, the source whose groups take longest to complete first) or 'ratio' (each
+    source drawn by its quota share: prime-rl's sampler, quotas in expectation).
   groups_per_call: the most queued groups a rollout worker generates in one sampler
     call (each call decodes until its longest response stops). 1: each group
     finishes on its own longest response, as in a continuous-batching engine,
@@ -126,6 +132,8 @@ class JobConfig:
     if self.suite not in ("text", "vision", "math", "agentic"):
       raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision', 'math' or "
                        "'agentic'")
+    if self.policy not in POLICIES:
+      raise ValueError(f"JobConfig.policy = {self.policy!r}: use one of {sorted(POLICIES)}")
     if self.dispatch not in DISPATCH_POLICIES:
       raise ValueError(f"JobConfig.dispatch = {self.dispatch!r}: use one of {DISPATCH_POLICIES}")
     if self.checkpoint is not None and not os.path.isfile(

@@ -3,7 +3,7 @@
     controller = Controller(spec, policy, dispatch, pool, ControllerState(), window=W)
     controller.resume(store)                    # a restored run: feed what was not trained
     while ...:
-      controller.dispatch()                     # fill the window (replacements first)
+      controller.dispatch(version)              # fill the window (replacements first)
       controller.poll(timeout)                  # rollout reports -> admission
       mb = controller.admit(version)            # a mini-batch, or None
       ...                                       # the trainer steps on it
@@ -33,6 +33,7 @@ import time
 from typing import Callable, Sequence
 
 from knittrans_jax.admission import AdmissionPolicy, TrainBatchSpec
+from knittrans_jax.admission.costs import tail_bias
 from knittrans_jax.admission.dispatch import DispatchStream
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.roles import Failed, Finished, RolloutPool
@@ -57,11 +58,15 @@ class Controller:
     self.replace: collections.deque[str] = collections.deque(state.replace)
     self._positions: dict[tuple[int, int], dict] = {}  # admitted, not yet trained
     self._last_progress = clock()
+    self._version = 0  # the trainer's version as last seen (admit, dispatch)
     self._sent_at: dict[int, float] = {}  # group id -> when it was dispatched (this process)
     # Each finished group's source, dispatch and report times (seconds from here) and
     # the pool's generation time: what the simulator's trace mode replays (sim/trace.py).
     self._t0 = clock()
     self.group_times: list[dict] = []
+    # Each retired group's fate ('trained' or why it was dropped or failed), this
+    # process: with group_times, the run's tail bias (admission/costs.py).
+    self.fates: dict[int, str] = {}
     if state.stream is not None:
       dispatch.restore(state.stream)
     if state.position is not None:
@@ -95,7 +100,7 @@ class Controller:
         st.adopt(gid, metas[0].source)  # dispatched after the checkpoint
       elif gid not in st.window:
         continue  # retired before the checkpoint
-      self.policy.dispatched(metas[0].source)
+      self.policy.dispatched(metas[0].source, group_id=gid)
       self._finished(metas)
       fed += 1
     for gid in [g for g in st.window if not st.is_finished(g)]:
@@ -103,8 +108,12 @@ class Controller:
     return fed
 
   # ---- dispatch -------------------------------------------------------------------
-  def dispatch(self) -> int:
-    """Sends groups to rollout while the window has room; returns how many."""
+  def dispatch(self, version: int | None = None) -> int:
+    """Sends groups to rollout while the window has room and the policy lets one
+    start (a peer rule's gate, admission/peers.py, at the trainer's `version`; default
+    the last one seen); returns how many."""
+    if version is not None:
+      self._version = version
     sent = 0
     if self.synchronous:
       if not self.state.window and not self.replace:  # the last train batch is trained
@@ -115,14 +124,15 @@ class Controller:
         self._send(self.replace.popleft())
         sent += 1
       return sent
-    while len(self.state.window) < self.window and self.pool.can_take():
+    while (len(self.state.window) < self.window and self.pool.can_take()
+           and self.policy.may_start(self._version)):
       self._send(self.replace.popleft() if self.replace else self.dispatch_order.next())
       sent += 1
     return sent
 
   def _send(self, source: str) -> None:
     gid = self.state.dispatch(source)
-    self.policy.dispatched(source)
+    self.policy.dispatched(source, group_id=gid)
     self._sent_at[gid] = self.clock()
     self.pool.submit(gid, source)
 
@@ -141,7 +151,8 @@ class Controller:
       elif isinstance(ev, Failed):
         if ev.group_id in st.window and not st.is_finished(ev.group_id):
           source = self.state.retire(ev.group_id, "failed")
-          self.policy.failed(source)
+          self.fates[ev.group_id] = "failed"
+          self.policy.failed(source, group_id=ev.group_id)
           self.replace.append(source)
       else:
         raise TypeError(f"unknown rollout event {ev!r}")
@@ -171,9 +182,11 @@ class Controller:
   def _retire(self, dropped) -> None:
     for grp, why in dropped:
       self.replace.append(self.state.retire(grp.group_id, why))
+      self.fates[grp.group_id] = why
 
   # ---- admission and training -----------------------------------------------------
   def admit(self, version: int) -> MiniBatch | None:
+    self._version = version
     mb = self.policy.admit(version)
     self._retire(self.policy.take_dropped())  # stale groups are dropped inside admit
     if mb is not None:
@@ -185,6 +198,7 @@ class Controller:
     """The mini-batch's step is done: its groups retire, the position moves past it."""
     for grp in mb.groups:
       self.state.retire(grp.group_id, "trained")
+      self.fates[grp.group_id] = "trained"
     self.state.position = self._positions.pop((mb.train_batch, mb.index))
     self._last_progress = self.clock()
 
@@ -193,6 +207,12 @@ class Controller:
     self.state.stream = self.dispatch_order.state()
     self.state.replace = list(self.replace)
     return self.state.to_json()
+
+  def tail_bias(self) -> dict:
+    """costs.tail_bias over the groups that finished in this process: time from
+    dispatch to report, and each one's fate ('pending' if not retired yet)."""
+    return tail_bias((g["source"], None if g["sent"] is None else g["done"] - g["sent"],
+                      self.fates.get(g["group"], "pending")) for g in self.group_times)
 
   # ---- stalls ---------------------------------------------------------------------
   def check_stall(self) -> None:

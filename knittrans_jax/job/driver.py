@@ -121,7 +121,8 @@ class Driver:
     summary = self.log.summary(wall_s=time.perf_counter() - t0,
                                exposed_data_wait_s=trainers.exposed_wait_s,
                                raw_transfer_s=trainers.raw_transfer_s, mode=cfg.mode,
-                               policy=self.policy.name, groups=dict(self.state.retired),
+                               policy=self.policy.name, policy_options=self.policy.options(),
+                               groups=dict(self.state.retired),
                                worker_restarts=pool.restarts, dispatch=cfg.dispatch,
                                dispatch_estimates_s={src: self.dispatch.estimate(src)
                                                      for src in self.setup.trained_sources})
@@ -132,9 +133,14 @@ class Driver:
                         "window_rows": cfg.groups_in_flight * cfg.spec.group_size}
     if self.evaluator is not None:
       summary["eval_train_overlap"] = self.evaluator.train_overlap(range(self.state.next_group))
+    if controller is not None:  # which groups trained, by how long they took (issue 60)
+      summary["tail_bias"] = controller.tail_bias()
     write_summary(self.workdir, summary)
     if controller is not None:
-      write_trace(self.workdir, self.setup, controller.group_times, self.step_seconds)
+      fates = controller.fates
+      write_trace(self.workdir, self.setup,
+                  [{**g, "fate": fates.get(g["group"], "pending")} for g in controller.group_times],
+                  self.step_seconds, self.policy.options())
     gin_cli.save_operative_config(self.workdir)
     return summary
 
@@ -157,7 +163,7 @@ class Driver:
     if ev is not None and ev.config.at_start and trainers.version == 0:
       self.log.start_eval(*self._evaluate())  # the initial policy: where the curve starts
     while trainers.version < target and not self.stop_requested:
-      ctl.dispatch()
+      ctl.dispatch(trainers.version)
       ctl.poll(timeout=0.0 if ahead else 0.05)  # block briefly only with nothing to train
       admit()
       if not ahead:
@@ -170,7 +176,7 @@ class Driver:
       failure = None
       if trainers.version < target:  # admit and read the next one meanwhile
         try:
-          ctl.dispatch()
+          ctl.dispatch(trainers.version)
           ctl.poll(timeout=0.0)
           admit()
         except Exception as e:  # noqa: BLE001  (re-raised once this step is recorded)
@@ -227,13 +233,14 @@ class Driver:
 
 
 def write_trace(workdir: str, setup: JobSetup, group_times: list[dict],
-                step_seconds: list[float]) -> None:
+                step_seconds: list[float], policy_options: dict | None = None) -> None:
   """trace.json: what the simulator's trace mode needs to replay this run
   (sim/trace.py): the run's shape, each finished group's times, each step's time."""
   cfg, spec = setup.cfg, setup.cfg.spec
   trace = {"spec": dataclasses.asdict(spec), "workers": cfg.workers,
            "groups_per_call": cfg.groups_per_call, "engine": cfg.engine, "suite": cfg.suite,
            "mode": cfg.mode, "policy": cfg.policy, "window": cfg.groups_in_flight,
+           "policy_options": policy_options,
            "dispatch": cfg.dispatch, "seed": cfg.seed, "groups": group_times,
            "step_seconds": step_seconds}
   with open(os.path.join(workdir, "trace.json"), "w") as f:

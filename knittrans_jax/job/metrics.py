@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.admission.costs import quota_error
 from knittrans_jax.job.tb_events import ScalarWriter
 
 
@@ -206,6 +207,8 @@ class MetricsLog:
         "arch_staleness_signed_mean": float(np.mean(self.arch or [0])),
         "arch_staleness_p99": float(np.percentile(arch, 99)),
         "quota_violations": self.quota_violations(), "steps": steps,
+        "quota_error": quota_error(((r["train_batch"], 0, r["source_counts"])
+                                    for r in self.records), self.spec),
         "tokens_skipped": sum(r.get("tokens_skipped", 0) for r in self.records),
         "trajectories": self.trajectories, "eval_s": self.eval_s,
         "padding_fraction": (float(np.mean(pad)) if (pad := [

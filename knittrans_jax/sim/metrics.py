@@ -6,6 +6,7 @@ import collections
 import numpy as np
 
 from knittrans_jax.admission import TrainBatchSpec
+from knittrans_jax.admission.costs import quota_error, tail_bias
 from knittrans_jax.admission.dispatch import quota_block
 from knittrans_jax.sim.config import SimConfig
 from knittrans_jax.sim.pipeline import SimResult
@@ -46,7 +47,20 @@ def summarize(result: SimResult, spec: TrainBatchSpec) -> dict:
       "rollout_versions_mean": float(result.rollout_versions.mean()),
       "rollout_s_mean": float(result.rollout_s.mean()),
       "sojourn_s_mean": result.mean_sojourn_s, "in_system_mean": result.mean_in_system,
+      # What the rule gives up (admission/costs.py): the mix against the quotas, and
+      # which groups were trained by how long they took.
+      "options": result.options or {},
+      "quota_error": quota_error(result.mini_batch_counts, spec),
+      "tail_bias": group_tail_bias(result),
   }
+
+
+def group_tail_bias(result: SimResult) -> dict:
+  """costs.tail_bias over the run's dispatched groups."""
+  if result.group_fate == ():
+    return tail_bias([])
+  return tail_bias((result.sources[s], t, f) for s, t, f in zip(
+      result.group_source, result.group_gen_s, result.group_fate))
 
 
 

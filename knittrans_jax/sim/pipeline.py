@@ -57,6 +57,13 @@ class SimResult:
   v_done: np.ndarray  # per trajectory: the version when its group finished decoding
   max_in_window: int = 0  # most groups ever dispatched but not trained or dropped
   step_end_s: np.ndarray | None = None  # per optimizer step: when it finished
+  # Per dispatched group, by id: its source (index into `sources`), dispatch to last
+  # response done in seconds (nan: still decoding at the end) and its fate ('trained',
+  # a drop reason, or 'pending': finished or in flight when the run ended).
+  group_source: np.ndarray | None = None
+  group_gen_s: np.ndarray | None = None
+  group_fate: tuple[str, ...] = ()
+  options: dict | None = None  # the admission policy's knobs (a peer rule's)
 
   @property
   def arch(self) -> np.ndarray:
@@ -77,9 +84,11 @@ class SimResult:
 
 def simulate(config: SimConfig, policy: str = "constraint_preserving", window: int | None = None,
              mode: str = "disaggregated", dispatch: str = "shuffled",
-             dispatch_kwargs: dict | None = None) -> SimResult:
+             dispatch_kwargs: dict | None = None, options: dict | None = None) -> SimResult:
   """Runs `config.train_batches` train batches; deterministic for `config.seed`.
-  `dispatch` picks the order groups start in (admission/dispatch.py)."""
+  `dispatch` picks the order groups start in (admission/dispatch.py); `options` are
+  the admission policy's knobs (a peer rule's, admission/peers.py). A rule that gates
+  starts (`may_start`) is asked before each dispatch, inside the window."""
   if mode not in ("disaggregated", "colocated"):
     raise ValueError(f"mode = {mode!r}: use 'disaggregated' or 'colocated'")
   spec = config.spec
@@ -94,7 +103,8 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   rng = np.random.default_rng(config.seed)
   dispatch_name = dispatch  # `dispatch` is the refill function below
   stream = make_dispatch(dispatch_name, spec, config.sources, rng, **(dispatch_kwargs or {}))
-  pol = make_policy(policy, spec)
+  pol = make_policy(policy, spec, **(options or {}))
+  interrupt = (config.interrupt_on_sync or pol.interrupts_in_flight) and not colocated
   names = tuple(config.sources)
   src_index = {s: i for i, s in enumerate(names)}
   tpt = config.time_per_token_s
@@ -102,6 +112,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
   # Group tables (grown as groups are dispatched).
   g_source, g_dur, g_vstart, g_left, g_dispatch, g_tokens = [], [], [], [], [], []
   g_vdone = {}  # group id -> version when its last response finished
+  g_fate, g_gen = {}, {}  # group id -> 'trained' or a drop reason; -> seconds to finish
   lengths = LengthSampler(config, rng)
   # Trace mode draws recorded times from its own stream: the model mode's draws stay as
   # they were.
@@ -172,7 +183,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     g_vstart.append([0] * n)
     g_left.append(n)
     g_dispatch.append(now)
-    pol.dispatched(source)
+    pol.dispatched(source, group_id=gid)
     in_window += 1
     dispatched_net += 1
     queue.extend((gid, r) for r in range(n))
@@ -184,7 +195,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
         for _ in range(G):
           dispatch_one(stream.next())
     else:
-      while in_window < window and dispatched_net < target_groups:
+      while in_window < window and dispatched_net < target_groups and pol.may_start(version):
         # The stream keeps every block of G at the quota mix; a dropped group is
         # replaced by one of its source first (what short_sources() asks for).
         dispatch_one(replace.popleft() if replace else stream.next())
@@ -195,6 +206,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
     nonlocal in_window, dispatched_net, sojourn_sum, groups_done
     for grp, why in drops:
       dropped[why] += 1
+      g_fate[grp.group_id] = why
       replace.append(grp.source)
       in_window -= 1
       dispatched_net -= 1
@@ -249,6 +261,7 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
         v_first = min(g_vstart[gid])
         rollout_versions.append(version - v_first)
         rollout_s.append(now - g_dispatch[gid])
+        g_gen[gid] = now - g_dispatch[gid]
         g_vdone[gid] = version
         stream.observe(src, now - g_dispatch[gid])
         account_drops(pol.finished(GroupInfo(gid, src, g_tokens[gid], v_first)))
@@ -263,9 +276,10 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       step_end.append(now)
       if config.publish == "step" or mb.index == M - 1:
         published.append((now, version))
-        if config.interrupt_on_sync and not colocated:
+        if interrupt:
           push(now + latency, _SYNC, None)
       for grp in mb.groups:
+        g_fate[grp.group_id] = "trained"
         sojourn_sum += now - g_dispatch[grp.group_id]
         groups_done += 1
       in_window -= len(mb.groups)
@@ -290,4 +304,8 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       mean_sojourn_s=sojourn_sum / max(groups_done, 1), groups_done=groups_done,
       rollout_versions=np.asarray(rollout_versions), rollout_s=np.asarray(rollout_s),
       v_done=as_array("v_done"), max_in_window=max_in_window,
-      step_end_s=np.asarray(step_end))
+      step_end_s=np.asarray(step_end),
+      group_source=np.asarray([src_index[s] for s in g_source], np.int64),
+      group_gen_s=np.asarray([g_gen.get(i, np.nan) for i in range(len(g_source))]),
+      group_fate=tuple(g_fate.get(i, "pending") for i in range(len(g_source))),
+      options=pol.options())

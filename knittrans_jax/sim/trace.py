@@ -86,9 +86,12 @@ class Trace:
     recorded one) only sizes the slots of engines that run every group they are sent."""
     n = self.spec.group_size
     per_worker = self.concurrent_groups or max(window or 0, self.window, 1)
+    # interrupt_cost_s 0: the job's engines take new weights between calls (an episode
+    # at its next turn) at no cost of their own; a recorded time already holds the rest.
     return SimConfig(spec=self.spec, sources={s: SourceModel() for s in self.group_seconds},
                      engines=self.workers, slots_per_engine=per_worker * n,
-                     sync_latency_s=0.0, train_batches=train_batches, seed=seed,
+                     sync_latency_s=0.0, interrupt_cost_s=0.0,
+                     train_batches=train_batches, seed=seed,
                      group_seconds=self.group_seconds, train_step_seconds=self.step_seconds)
 
 
@@ -121,11 +124,12 @@ def steady_state(result: SimResult, spec: TrainBatchSpec, skip_steps: int,
 
 
 def predict(workdir: str, policy: str, window: int, dispatch: str, seed: int,
-            train_batches: int, skip_steps: int) -> dict:
-  """The simulator's figures for a run of `train_batches` at this configuration,
-  replaying the trace of run `workdir` (steady_state's, with the drain left out)."""
+            train_batches: int, skip_steps: int, options: dict | None = None) -> dict:
+  """The simulator's figures for a run of `train_batches` at this configuration
+  (`options`: a peer rule's knobs), replaying the trace of run `workdir`
+  (steady_state's, with the drain left out)."""
   trace = Trace.from_run(workdir)
   extra = -(-window // trace.spec.groups_per_batch) + 1
   result = simulate(trace.sim_config(train_batches + extra, seed, window), policy,
-                    window=window, dispatch=dispatch)
+                    window=window, dispatch=dispatch, options=options)
   return steady_state(result, trace.spec, skip_steps, train_batches)
