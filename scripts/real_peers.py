@@ -39,12 +39,13 @@ from bench_throughput import run_bindings, steady_traj_per_s  # noqa: E402  (scr
 from real_staleness import batch_shape  # noqa: E402  (scripts/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Each rule's settings in the real job: version gates of 1, 3 and 7 steps (2g, 4g and
-# 8g in flight: G / 2, G and 2G on the agentic workload), verl's counter at 4g, 8g,
-# 16g. Chosen from the trace-mode simulator's sweep (scripts/figures_peers.py), never
-# from these runs.
+# Each rule's settings in the real job: version gates and bounds of 1, 3 and 7 steps
+# (2g, 4g and 8g in flight: G / 2, G and 2G on the agentic workload), verl's counter
+# at 4g, 8g, 16g, prime-rl's window at 2g, 4g, 8g: the span where the trace-mode
+# simulator (scripts/figures_peers.py) put the rules' throughputs beside ours; never
+# chosen from these runs.
 RULE_SETTINGS = {"areal": (1, 3, 7), "verl": (0.0, 1.0, 3.0), "nemo_weight_fifo": (1, 3, 7),
-                 "nemo_windowed": (1, 3, 7), "prime_rl": (1, 3, 7), "tinker_discard": (1, 3, 7)}
+                 "nemo_windowed": (1, 3, 7), "prime_rl": (2, 4, 8), "tinker_discard": (1, 3, 7)}
 CLASSES = {"areal": "ArealPolicy", "verl": "VerlPolicy", "nemo_weight_fifo": "NemoWeightFifoPolicy",
            "nemo_windowed": "NemoWindowedPolicy", "prime_rl": "PrimeRlPolicy",
            "tinker_discard": "TinkerDiscardPolicy"}

@@ -60,11 +60,12 @@ from knittrans_jax.study.stats import (paired_difference, paired_gap_closed,  # 
                                        saturating_fit, t_interval)
 
 FIELDS = ("reward_last", "arch_staleness_mean", "quota_violations", "wall_s", "eval_s", "steps",
-          "trajectories", "eval_train_overlap")
+          "trajectories", "eval_train_overlap", "policy", "policy_options")
 INTERVAL_METHOD = ("mean over seeds: Student-t 95%; gap closed: paired by seed, BCa bootstrap "
                    "95% (10,000 resamples); comparisons: paired difference by seed, Student-t 95%")
 PER_CONFIG = ("final_reward", "steps_to_threshold", "train_s_to_threshold", "arch_staleness_mean",
-              "traj_per_s", "reward_last")
+              "traj_per_s", "reward_last", "quota_error", "trained_share",
+              "slowest_decile_trained")
 
 
 def run_dir(out: str, name: str, seed: int) -> str:
@@ -121,6 +122,12 @@ def run_one(out: str, base_gin: str, name: str, bindings: list[str], seed: int,
   row = {"configuration": name, "seed": seed, "workdir": wd, **{k: s.get(k) for k in FIELDS}}
   # Throughput over training time: the held-out evaluation is not part of the system.
   row["traj_per_s"] = s["trajectories"] / (s["wall_s"] - s.get("eval_s", 0.0))
+  # What the admission rule gave up (admission/costs.py): beside the reward it bought.
+  q, t = s.get("quota_error"), s.get("tail_bias") or {}
+  row["quota_error"] = None if q is None else q["mean"]
+  row["trained_share"] = t.get("trained_share")
+  row["slowest_decile_trained"] = (t["by_decile"][-1]["trained_share"]
+                                   if t.get("by_decile") else None)
   curve = eval_curve(read_metrics(wd), metric)
   row["curve"] = curve
   row["final_reward"] = final_reward(curve, s["steps"])
@@ -273,7 +280,8 @@ def table(result: dict) -> str:
   thr = result.get("threshold")
   lines = [f"| configuration | seeds | final {result.get('metric', 'sampled')} eval reward "
            f"(mean, 95% CI) | steps to {thr} | train s to {thr} | gap closed | mean max(a,0) | "
-           "traj/s | quota violations |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "traj/s | quota violations | quota error (L1) | trained share (slowest decile) |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
   for name, s in result["summary"].items():
     n = len(s["seeds"])
     reached = f" ({s['reached_threshold']}/{n})" if thr is not None else ""
@@ -285,7 +293,10 @@ def table(result: dict) -> str:
                  f"{_ci(s, 'steps_to_threshold', '.0f')}{reached} | "
                  f"{_ci(s, 'train_s_to_threshold', '.0f')} | {gap} | "
                  f"{s.get('arch_staleness_mean_mean', float('nan')):.2f} | "
-                 f"{s.get('traj_per_s_mean', float('nan')):.1f} | {s['quota_violations']} |")
+                 f"{s.get('traj_per_s_mean', float('nan')):.1f} | {s['quota_violations']} | "
+                 f"{s.get('quota_error_mean', float('nan')):.3f} | "
+                 f"{s.get('trained_share_mean', float('nan')):.2f} "
+                 f"({s.get('slowest_decile_trained_mean', float('nan')):.2f}) |")
   pairs = [(name, other, v) for name, s in result["summary"].items()
            for other, v in s.get("vs", {}).items()]
   if pairs:

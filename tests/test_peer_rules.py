@@ -97,6 +97,8 @@ def test_nemo_weight_fifo_waits_for_the_oldest_weight_in_flight_and_evicts():
     q.finished(grp(gid, version=1))
   assert q.admit(3) is None  # min_valid = 2: weight 1's ready groups are evicted
   assert sorted(g.group_id for g, why in q.take_dropped() if why == "stale") == [4, 5]
+  # (1 + 3 + 1) x 2 = 10 ever dispatched: the 2 evicted groups' places are not given back
+  assert start(q, 3, range(6, 13)) == [6, 7, 8, 9]
 
 
 def test_nemo_windowed_has_no_gate_evicts_and_can_take_freshest_first():
@@ -115,17 +117,19 @@ def test_nemo_windowed_has_no_gate_evicts_and_can_take_freshest_first():
   assert ids(q.admit(1)) == [2, 3]
 
 
-def test_prime_rl_gates_at_async_level_and_drops_past_max_off_policy():
-  p = make_policy("prime_rl", SPEC, max_async_level=0, max_off_policy_steps=2)
-  assert start(p, 0, range(5)) == [0, 1]
+def test_prime_rl_has_no_gate_and_drops_more_than_max_off_policy_behind():
+  p = make_policy("prime_rl", SPEC, max_off_policy_steps=1)
+  assert start(p, 0, range(6)) == list(range(6))  # only the window bounds what is in flight
   p.finished(grp(1))
   p.finished(grp(0))
   assert ids(p.admit(0)) == [1, 0]  # finish order
-  assert start(p, 1, [2, 3, 4]) == [2, 3]
-  p.finished(grp(2, version=1))
-  p.finished(grp(3, version=1))
-  assert p.admit(3) is None  # 3 - 1 = 2 steps off policy: both dropped
-  assert len(p.take_dropped()) == 2
+  p.admit(1)  # the trainer is at version 1: one step off policy is kept
+  assert p.finished(grp(2)) == [] and p.finished(grp(3)) == []
+  assert ids(p.admit(1)) == [2, 3]
+  p.admit(2)  # two steps: cancelled (dropped as it finishes)
+  assert [g.group_id for g, why in p.finished(grp(4))] == [4]
+  assert p.take_dropped() == []  # reported once, by finished()
+  assert p.options() == {"max_off_policy_steps": 1}
 
 
 def test_tinker_discard_drops_beyond_its_bound_in_finish_order():
@@ -140,7 +144,7 @@ def test_tinker_discard_drops_beyond_its_bound_in_finish_order():
 @pytest.mark.parametrize("name,field,value", [
     ("areal", "max_head_offpolicyness", -1), ("verl", "staleness_threshold", -0.5),
     ("verl", "trigger_parameter_sync_step", 0), ("verl", "partial_rollout", "yes"),
-    ("nemo_weight_fifo", "max_staleness_versions", 1.5), ("prime_rl", "max_off_policy_steps", 0),
+    ("nemo_weight_fifo", "max_staleness_versions", 1.5), ("prime_rl", "max_off_policy_steps", -1),
     ("tinker_discard", "max_steps_off_policy", True)])
 def test_bad_knobs_are_named(name, field, value):
   with pytest.raises(ValueError, match=f"{field} = {value!r}"):
@@ -267,3 +271,14 @@ def test_ratio_dispatch_keeps_the_mix_in_expectation_only():
   share = sum(b["a"] for b in blocks) / 2000
   assert abs(share - 0.75) < 0.03  # the ratio holds on average
   assert sum(b["a"] != 3 for b in blocks) > 100  # but not in each block
+
+
+def test_verl_syncs_weights_every_trigger_steps():
+  cfg = sim_config()
+  g = cfg.spec.mini_batch_groups
+  for partial in (False, True):
+    r = simulate(cfg, "verl", 8 * g, options={"trigger_parameter_sync_step": 2,
+                                              "staleness_threshold": 1.0,
+                                              "partial_rollout": partial})
+    assert set(np.unique(r.v_gen) % 2) == {0}  # rollout only ever saw synced versions
+    assert r.v_consume.max() > 2

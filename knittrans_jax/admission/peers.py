@@ -15,7 +15,8 @@ and mapped onto this project's terms the same way for every rule:
   - none keeps quotas: the train batch (k, j) numbering is ours, used to measure
     how far each rule's mix strays from them (admission/costs.py).
 A rule that drops groups reports them as ours do ('stale'); the caller replaces
-each with one of its source, as peers requeue or resample.
+each with one of its source, as peers requeue or resample. A spec's own
+max_staleness still applies to every rule (it is the user's requirement).
 
   areal            AReaL: start while accepted + running < (eta + v + 1) g; the g
                    oldest-started finished groups
@@ -28,8 +29,8 @@ each with one of its source, as peers requeue or resample.
   nemo_windowed    NeMo-RL WindowedSampler: no start gate; any fresh-enough group in
                    buffer (dispatch) order, or freshest first; evicts older ones
   prime_rl         prime-rl: sources drawn by ratio (dispatch 'ratio', quotas in
-                   expectation); start gate max_async_level; first finished first;
-                   drops groups max_off_policy_steps behind
+                   expectation); no start gate; first finished first; drops groups
+                   more than max_off_policy_steps behind
   tinker_discard   tinker-cookbook's async rule before PR #822: first finished
                    first; a group more than max_steps_off_policy behind is discarded
                    and its prompt rolled out again (the rule the PR replaces because
@@ -126,10 +127,12 @@ class VerlPolicy(_PeerRule):
   With partial_rollout, requests in flight at a sync are aborted and continued on the
   new weights (their first version kept); without, the sync waits for them.
   Adapted: ppo_mini_batch_size = g (a local step is require_batches optimizer steps);
-  partial_rollout maps onto `interrupts_in_flight` (the simulator's interrupt_on_sync;
-  the job's engines re-prefill on new weights); without it requests in flight finish
-  on their weights but the sync does not wait for them (verl's drain is not modelled,
-  which can only make verl look faster here).
+  weights reach rollout only at those syncs (`publish_every`, honoured by the
+  simulator and the job); partial_rollout maps onto `interrupts_in_flight` (the
+  simulator's interrupt_on_sync, at each sync; the job's engines take new weights
+  between calls, vLLM's in-flight mode 'reprefill' within them); without it requests
+  in flight finish on their weights but the sync does not wait for them (verl's
+  drain is not modelled, which can only make verl look faster here).
   """
   name = "verl"
   knobs = (("staleness_threshold", "staleness_threshold"),
@@ -152,6 +155,7 @@ class VerlPolicy(_PeerRule):
     self.staleness_threshold = float(staleness_threshold)
     self.interrupts_in_flight = partial_rollout
     self.max_required = int(self.g * self.require * (1 + self.staleness_threshold) * self.trigger)
+    self.publish_every = self.trigger * self.require  # a sync every trigger local steps
     self._counter = 0  # verl's staleness_samples
     self._syncs = 0  # parameter syncs seen
     self._queued: collections.deque[list[GroupInfo]] = collections.deque()
@@ -226,7 +230,8 @@ class NemoWeightFifoPolicy(_NemoSampler):
                                max_staleness_versions, 0)
 
   def _gate(self, version):
-    return self._live() < (self.bound + version + 1) * self.g
+    # NeMo-RL's dispatch index only grows: an evicted group's place is not given back.
+    return self._started < (self.bound + version + 1) * self.g
 
   def _next(self, version):
     min_valid = self._evict(version)
@@ -286,28 +291,35 @@ class PrimeRlPolicy(_PeerRule):
   (`TrainSource.next_task`: rng.choices with the ratios as weights; the old
   orchestrator/buffer.py the same), so the mix holds in expectation only: run it
   with dispatch 'ratio' (admission/dispatch.py). The scheduler before PR #2631
-  (orchestrator/scheduler.py) rolls out step n with the checkpoint of step
-  n - max_async_level at least, waiting for it; `_update_off_policy` cancels whole
-  groups whose off-policy steps reach max_off_policy_steps (default 8).
-  Adapted: a step is g groups (the batch), started once the trainer is within
-  max_async_level steps; finished groups train in finish order; a group past the
-  bound is dropped when it finishes or waits, not cancelled mid-rollout.
+  (orchestrator/scheduler.py at e792f9cf^) keeps max_inflight_rollouts in flight
+  whatever the version (`_schedule_next_request`), and `_update_off_policy` cancels
+  a group at a weight update once its off-policy steps have reached
+  max_off_policy_steps (so one more than that behind); finished rollouts wait for
+  their batch and are never dropped.
+  Adapted: max_inflight_rollouts is the caller's window; finished groups train in
+  finish order; a group cancelled in flight is dropped when it finishes instead (its
+  slot stays busy: prime-rl's throughput can only be higher than here);
+  max_async_level (the orchestrator assembling batch n once checkpoint n - L exists)
+  never binds here, where the trainer takes mini-batch n at version n, so it is not
+  a knob.
   """
   name = "prime_rl"
-  knobs = (("max_async_level", "async_level"), ("max_off_policy_steps", "off_policy"))
+  knobs = (("max_off_policy_steps", "off_policy"),)
 
-  def __init__(self, spec: TrainBatchSpec, max_async_level: int = 1,
-               max_off_policy_steps: int = 8):
+  def __init__(self, spec: TrainBatchSpec, max_off_policy_steps: int = 8):
     super().__init__(spec)
-    self.async_level = _int_at_least("PrimeRlPolicy", "max_async_level", max_async_level, 0)
     self.off_policy = _int_at_least("PrimeRlPolicy", "max_off_policy_steps",
-                                    max_off_policy_steps, 1)
+                                    max_off_policy_steps, 0)
 
-  def _gate(self, version):
-    return self._live() < (self.async_level + version + 1) * self.g
+  def finished(self, group):
+    dropped = super().finished(group)
+    if not dropped and self._version_seen - group.version > self.off_policy:
+      self._drop(group, "stale")  # cancelled in flight, at the update that passed the bound
+      self._stale_untaken.pop()
+      dropped = [(group, "stale")]
+    return dropped
 
   def _next(self, version):
-    self._drop_older_than(version, self.off_policy - 1)  # off-policy steps >= the max
     done = self._by_arrival(self._finished_groups())
     return done[:self.g] if len(done) >= self.g else None
 
@@ -318,8 +330,13 @@ class TinkerDiscardPolicy(_PeerRule):
   tinker-cookbook @9dfcc3a2, tinker_cookbook/rl/train.py,
   `filter_stale_trajectory_group`): groups are consumed first in, first out; one
   whose sampler is more than max_steps_off_policy steps behind the batch it would
-  join is thrown away and its prompt rolled out again.
-  Adapted: groups_per_batch = g; the rollout workers are the caller's window.
+  join is thrown away and its prompt rolled out again. (The snapshot holds the PR's
+  changelog entry but still this code.)
+  Adapted: groups_per_batch = g. tinker runs groups_per_batch rollout workers; here
+  they are the caller's window (sim/peers.py gives it (L + 1) g, the capacity PR #822
+  gives its pacing rule at pipeline_depth = L). The caller replaces a dropped group
+  with a new one of its source, not the same problem: a problem slow by nature would
+  be dropped again, so the bias measured here is the smaller one.
   """
   name = "tinker_discard"
   knobs = (("max_steps_off_policy", "bound"),)

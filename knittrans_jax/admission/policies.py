@@ -29,9 +29,11 @@ from knittrans_jax.types import GroupInfo, MiniBatch
 
 class AdmissionPolicy:
   name = "base"
-  # Peer rules (peers.py) may gate rollout starts (`may_start`) and continue requests in
-  # flight on new weights (verl's partial rollout); ours do neither.
+  # Peer rules (peers.py) may gate rollout starts (`may_start`), continue requests in
+  # flight on new weights (verl's partial rollout) and sync weights less often than
+  # every step (verl's trigger_parameter_sync_step); ours do none of these.
   interrupts_in_flight = False
+  publish_every = 1  # optimizer steps between weight syncs to rollout (verl's trigger)
 
   def __init__(self, spec: TrainBatchSpec):
     self.spec = spec

@@ -199,7 +199,8 @@ class Driver:
       self.bar.set_postfix(self.log.postfix(), refresh=False)
       if failure is not None:
         raise failure
-      if self.cfg.mode != "colocated":
+      # Weights to the workers after every step (a peer rule may sync less often).
+      if self.cfg.mode != "colocated" and trainers.version % self.policy.publish_every == 0:
         t_pub = time.perf_counter()
         trainers.publish()  # synchronous: before the next train batch is dispatched
         train_s += time.perf_counter() - t_pub

@@ -3,12 +3,14 @@
 Each peer rule (admission/peers.py) is swept over its own knob; the knob's values
 are chosen so that every rule spans the same in-flight range as constraint-
 preserving's window sweep (g to 4G): a rule whose knob is a version gate L (AReaL's
-eta, NeMo-RL's gate window, prime-rl's async level, tinker's steps off policy)
-holds at most (L + 1) g groups in flight, so L = f - 1 for each window factor f of
-the grid; verl's counter holds int(g (1 + threshold) trigger) groups. Rules without
-a gate of their own (NeMo-RL's windowed sampler, tinker's old rule) get the window
-W = (L + 1) g that their bound L implies; gated rules get the largest window of the
-grid (their gate binds inside it).
+eta, NeMo-RL's gate window) holds at most (L + 1) g groups in flight, so L = f - 1
+for each window factor f of the grid; verl's counter holds int(g (1 + threshold)
+trigger) groups. Gated rules get the largest window of the grid (their gate binds
+inside it). Rules without a gate of their own get the window W = (L + 1) g that
+their bound L implies (NeMo-RL's windowed sampler: its docs' capacity for a window
+of L; tinker's old rule: the capacity PR #822 gives its replacement at
+pipeline_depth = L), except prime-rl, whose knob is the window itself
+(max_inflight_rollouts) at its default max_off_policy_steps.
 
 For each point, constraint-preserving's matched reduction: its smallest swept
 window whose throughput reaches the point's, on the same seed (either dispatch; the
@@ -44,10 +46,15 @@ class Rule:
   fixed: tuple[tuple[str, object], ...] = ()
 
   def options(self, value) -> dict:
+    if self.knob == "window":
+      return dict(self.fixed)
     return {**dict(self.fixed), self.knob: value}
 
   def window_in(self, value, g: int, largest: int) -> int:
-    """The window a setting runs at: the largest, or the one its bound implies."""
+    """The window a setting runs at: the swept one (knob 'window', value in g), the
+    largest (a gated rule), or the one its bound implies."""
+    if self.knob == "window":
+      return int(value) * g
     return largest if self.gated else (int(value) + 1) * g
 
   def window(self, value, config: SimConfig) -> int:
@@ -56,6 +63,10 @@ class Rule:
 
 def _gates(factors, config):
   return sorted({max(int(f) - 1, 0) for f in factors})
+
+
+def _factors(factors, config):
+  return sorted({int(f) for f in factors})
 
 
 def _thresholds(factors, config):
@@ -71,7 +82,7 @@ RULES = {
     "nemo_weight_fifo": Rule("nemo_weight_fifo", "shuffled", "max_staleness_versions", _gates,
                              True),
     "nemo_windowed": Rule("nemo_windowed", "shuffled", "max_staleness_versions", _gates, False),
-    "prime_rl": Rule("prime_rl", "ratio", "max_async_level", _gates, True,
+    "prime_rl": Rule("prime_rl", "ratio", "window", _factors, False,
                      (("max_off_policy_steps", 8),)),
     "tinker_discard": Rule("tinker_discard", "shuffled", "max_steps_off_policy", _gates, False),
 }
@@ -214,8 +225,8 @@ def summarize_rules(points: list[dict], rules: Sequence[str]) -> dict:
 
 
 def _key(p: dict) -> tuple:
-  return tuple(sorted((p.get("options") or {"window": p["window"]}).items())) if p[
-      "rule"] in RULES else (("window", p["window"]),)
+  """A point's setting: the rule's options and its window."""
+  return tuple(sorted({**(p.get("options") or {}), "window": p["window"]}.items()))
 
 
 def _qe(points, field):

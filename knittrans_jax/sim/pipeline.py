@@ -274,7 +274,9 @@ def simulate(config: SimConfig, policy: str = "constraint_preserving", window: i
       version += 1
       steps += 1
       step_end.append(now)
-      if config.publish == "step" or mb.index == M - 1:
+      # A rule may sync weights every few steps (verl's trigger_parameter_sync_step).
+      if (config.publish == "step" and steps % pol.publish_every == 0) or (
+          config.publish == "train_batch" and mb.index == M - 1):
         published.append((now, version))
         if interrupt:
           push(now + latency, _SYNC, None)
