@@ -1,6 +1,6 @@
 """The learning figures: scripts/study.py's studies of staleness and learning quality,
 run (or resumed) and their figures and numbers taken over
-(scripts/reproduce_figures.py --only learning learning_agentic)."""
+(scripts/reproduce_figures.py --only learning learning_agentic learning_peers)."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,9 @@ from figures_common import run_logged
 STUDIES = {"learning": ("configs/study/staleness.gin", "configs/study/staleness_quick.gin",
                         "study_"),
            "learning_agentic": ("configs/study/agentic.gin", "configs/study/agentic_quick.gin",
-                                "study_agentic_")}
+                                "study_agentic_"),
+           "learning_peers": ("configs/study/peers.gin", "configs/study/peers_quick.gin",
+                              "study_peers_")}
 
 
 def learning(out: str, work: str, quick: bool, group: str = "learning") -> dict:
@@ -37,7 +39,8 @@ def learning(out: str, work: str, quick: bool, group: str = "learning") -> dict:
   keep = ("seeds", "final_reward_mean", "final_reward_ci95", "arch_staleness_mean_mean",
           "traj_per_s_mean", "traj_per_s_ci95", "steps_to_threshold_mean",
           "steps_to_threshold_ci95", "train_s_to_threshold_mean", "reached_threshold",
-          "quota_violations", "gap_closed", "gap_closed_ci95", "vs")
+          "quota_violations", "gap_closed", "gap_closed_ci95", "vs", "quota_error_mean",
+          "trained_share_mean", "slowest_decile_trained_mean")
   configs = {}
   for name, s in res["summary"].items():
     c = {k: s[k] for k in keep if k in s}
@@ -87,3 +90,8 @@ def learning_section(lr, title="Learning quality: does lower staleness narrow th
 def learning_agentic_section(lr) -> list[str]:
   return learning_section(lr, "Learning quality on multi-turn agentic episodes "
                               "(configs/agentic_tails.gin)")
+
+
+def learning_peers_section(lr) -> list[str]:
+  return learning_section(lr, "Learning against the strongest peer rule (issue 60; "
+                              "configs/agentic_tails.gin)")

@@ -54,8 +54,8 @@ def figure(result: dict, title: str, path: str) -> None:
   ax.legend(fontsize=7)
   names = list(rules)
   qe = [(rules[n]["quota_error"] or {}).get("mean") or 0.0 for n in names]
-  slow = [1 - (rules[n]["tail_bias"]["slowest_decile_trained_share_mean"] or 0.0)
-          for n in names]
+  shares = [rules[n]["tail_bias"]["slowest_decile_trained_share_mean"] for n in names]
+  slow = [0.0 if x is None else 1 - x for x in shares]
   xs = range(len(names))
   bx.bar([x - 0.2 for x in xs], qe, 0.4, label="quota error, mean L1 per train batch")
   bx.bar([x + 0.2 for x in xs], slow, 0.4,
@@ -111,22 +111,31 @@ def peers_section(s) -> list[str]:
     w = s.get(workload)
     if not w:
       continue
-    lines += [f"### {workload}: {w['source']}", "", f"![peers](peers_{workload}.png)", "",
-              "| rule | knob | quota error (mean / max L1) | slowest decile trained, mean (min) | "
-              "gen time trained / decided, mean (min) | matched reduction mean [min, max] |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for name, r in w["rules"].items():
-      q = r["quota_error"] or {}
-      t = r["tail_bias"]
-      m = r["matched_reduction"] or {}
-      red = (f"{_fmt(m.get('mean'))} [{_fmt(m.get('min'))}, {_fmt(m.get('max'))}]"
-             if m.get("mean") is not None else (m.get("reason") or "(ours)"))
-      lines.append(f"| {name} | {r['knob']} | {_fmt(q.get('mean'))} / {_fmt(q.get('max'))} | "
-                   f"{_fmt(t['slowest_decile_trained_share_mean'], '.2f')} "
-                   f"({_fmt(t['slowest_decile_trained_share_min'], '.2f')}) | "
-                   f"{_fmt(t['gen_s_ratio_mean'], '.2f')} ({_fmt(t['gen_s_ratio_min'], '.2f')}) | "
-                   f"{red} |")
+    lines += [f"### {workload}: {w['source']}", "", f"![peers](peers_{workload}.png)", ""]
+    lines += _rules_table(w["rules"])
+    if "sim" in w:
+      lines += ["", f"The simulator on the same workload ({w['sim']['source']}, seeds "
+                f"{w['sim']['seeds']}, {w['sim']['train_batches']} train batches):", ""]
+      lines += _rules_table(w["sim"]["rules"])
     if "real_job" in w:
       lines += ["", f"Real job: {w['real_job']}"]
     lines.append("")
+  return lines
+
+
+def _rules_table(rules: dict) -> list[str]:
+  lines = ["| rule | knob | quota error (mean / max L1) | slowest decile trained, mean (min) | "
+           "gen time trained / decided, mean (min) | matched reduction mean [min, max] |",
+           "| --- | --- | --- | --- | --- | --- |"]
+  for name, r in rules.items():
+    q = r["quota_error"] or {}
+    t = r["tail_bias"]
+    m = r["matched_reduction"] or {}
+    red = (f"{_fmt(m.get('mean'))} [{_fmt(m.get('min'))}, {_fmt(m.get('max'))}]"
+           if m.get("mean") is not None else (m.get("reason") or "(ours)"))
+    lines.append(f"| {name} | {r['knob']} | {_fmt(q.get('mean'))} / {_fmt(q.get('max'))} | "
+                 f"{_fmt(t['slowest_decile_trained_share_mean'], '.2f')} "
+                 f"({_fmt(t['slowest_decile_trained_share_min'], '.2f')}) | "
+                 f"{_fmt(t['gen_s_ratio_mean'], '.2f')} ({_fmt(t['gen_s_ratio_min'], '.2f')}) | "
+                 f"{red} |")
   return lines

@@ -121,8 +121,15 @@ def main():
   parser.add_argument("--skip_train_batches", type=int, default=3)
   parser.add_argument("--workdir", default=None, help="run directories (default: beside --json)")
   parser.add_argument("--json", required=True)
+  parser.add_argument("--resummarize", action="store_true",
+                      help="recompute the summary in --json from its runs (after a change to "
+                      "sim/peers.py's summary), the runs as measured")
   cli.add_check_flag(parser)
   args = parser.parse_args()
+  if args.resummarize and not args.check_args:
+    with open(args.json) as f:
+      out = json.load(f)
+    return report(out, list(out["settings"]), args.json)
   args.seeds = [int(s) for s in args.seeds.split(",")]
   rules = [r for r in args.rules.split(",") if r]
   unknown = sorted(set(rules) - set(RULE_SETTINGS))

@@ -20,6 +20,9 @@ learning (scripts/study.py, configs/study/staleness.gin; 10 seeds per configurat
   study_dose_response.png    final reward against mean architectural staleness
 learning_agentic (scripts/study.py, configs/study/agentic.gin; 10 seeds per configuration):
   study_agentic_learning_curves.png  the same on multi-turn agentic episodes
+learning_peers (scripts/study.py, configs/study/peers.gin; 10 seeds per configuration):
+  study_peers_learning_curves.png  constraint-preserving against the strongest peer rule
+                           at its throughput and synchronous execution
 transfer (scripts/bench_transfer.py, text and vlm):
   transfer_latency.png     exposed and raw transfer latency, baseline vs on-demand
 peers (simulator on paper_text.gin and the agentic job's trace; the real job where
@@ -57,6 +60,7 @@ SECTIONS = {"staleness": figures_staleness.staleness_section,
             "real_job": figures_real_job.real_job_section,
             "learning": figures_learning.learning_section,
             "learning_agentic": figures_learning.learning_agentic_section,
+            "learning_peers": figures_learning.learning_peers_section,
             "transfer": figures_transfer.transfer_section,
             "peers": figures_peers.peers_section,
             "multimodal": figures_multimodal.multimodal_section}
@@ -82,7 +86,7 @@ def write_summary(out, numbers):
 # --quick's main simulator sweep: 6 train batches a run, not paper_text.gin's 20.
 QUICK_SIM_BATCHES = 6
 GROUPS = ("staleness", "runs", "real_job", "learning", "learning_agentic", "transfer",
-          "multimodal", "peers")
+          "multimodal", "peers", "learning_peers")
 
 
 def main():
@@ -146,6 +150,8 @@ def main():
       "multimodal": lambda: figures_multimodal.multimodal(args.out, os.path.abspath(args.work),
                                                           args.quick),
       "peers": lambda: figures_peers.peers(args.out, os.path.abspath(args.work), args.quick),
+      "learning_peers": lambda: figures_learning.learning(
+          args.out, os.path.abspath(args.work), args.quick, "learning_peers"),
   }
   t_all = time.perf_counter()
   for group in GROUPS:

@@ -167,6 +167,38 @@ def test_reproduce_figures_staleness(tmp_path):
   assert "| W = 4G = 128 |" in text
 
 
+def test_reproduce_figures_peers_quick(tmp_path):
+  """--quick draws the peers figure: every peer rule beside ours on both workloads
+  (the simulator; tiny.gin for paper_text here), with what each gives up."""
+  out = tmp_path / "figs"
+  proc = subprocess.run([sys.executable, "scripts/reproduce_figures.py", "--quick", "--only",
+                         "peers", "--gin_file", "configs/sim/tiny.gin", "--out", str(out),
+                         "--work", str(tmp_path / "work")], capture_output=True, text=True,
+                        timeout=600)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  for name in ("peers_paper_text.png", "peers_agentic.png"):
+    assert (out / name).stat().st_size > 0, name
+  assert "## Against the peers' rules" in (out / "summary.md").read_text()
+  peers = json.loads((out / "numbers.json").read_text())["peers"]
+  for workload in ("paper_text", "agentic"):
+    rules = peers[workload]["rules"]
+    assert {"areal", "verl", "nemo_weight_fifo", "nemo_windowed", "prime_rl",
+            "tinker_discard"} <= set(rules)
+    for name, r in rules.items():
+      ran = [f for f in r["frontier"] if not f.get("stalled")]
+      assert ran and all(f["traj_per_s"] > 0 for f in ran), name
+      assert r["quota_error"]["max"] >= r["quota_error"]["mean"] >= 0
+      if name.startswith("constraint_preserving"):
+        assert r["quota_error"]["max"] == 0.0 and r["matched_reduction"] is None
+      else:
+        m = r["matched_reduction"]
+        assert m["mean"] is not None or m["reason"], name
+    # Discarding stale groups trains the slow problems less often (tinker PR #822's point).
+    assert rules["tinker_discard"]["tail_bias"]["slowest_decile_trained_share_mean"] < 1
+    assert rules["areal"]["tail_bias"]["slowest_decile_trained_share_min"] == 1.0
+  assert "real_job" in peers["agentic"]  # no real_peers JSON in --work: said so
+
+
 @pytest.mark.slow
 def test_bench_train_step_writes_its_json(tmp_path):
   out = tmp_path / "train.json"

@@ -191,6 +191,10 @@ COVER: dict[str, Cover] = {
     ".venv/bin/python scripts/study.py --gin_file configs/study/agentic.gin "
     "--out runs/study_agentic":
         Cover("check", toy="tests/test_study.py (this study's grid on configs/agentic_test.gin)"),
+    ".venv/bin/python scripts/study.py --gin_file configs/study/peers.gin "
+    "--out runs/study_peers":
+        Cover("check", toy="tests/test_study.py (the agentic study's grid; this one's "
+              "configurations are peer-rule bindings, checked here)"),
     # docs/models.md
     ".venv/bin/python scripts/check_hf_parity.py --json runs/hf_parity.json":
         Cover("check", toy="tests/test_hf_models.py (the same parity checks)"),
@@ -265,6 +269,15 @@ COVER: dict[str, Cover] = {
     ".venv/bin/python scripts/real_staleness.py --gin_file configs/agentic_tails.gin --seeds 0,1,2 "
     "--train_batches 20 --skip_train_batches 3 --json runs/real_staleness_agentic.json":
         Cover("check", toy="tests/test_real_staleness.py (its pure parts; the runs are the job's)"),
+    # docs/admission.md
+    ".venv/bin/python scripts/real_peers.py --gin_file configs/agentic_tails.gin --seeds 0,1,2 "
+    "--train_batches 20 --skip_train_batches 3 --json runs/figures/real_peers_agentic.json":
+        Cover("check", toy="tests/test_peer_rules.py (its configurations and report; the runs "
+              "are the job's)"),
+    ".venv/bin/python scripts/reproduce_figures.py --only peers --out figures/":
+        Cover("parse", toy="tests/test_bench_scripts.py (--quick --only peers)"),
+    ".venv/bin/python scripts/reproduce_figures.py --quick --only peers --out /tmp/figs":
+        Cover("parse", toy="tests/test_bench_scripts.py (--quick --only peers)"),
     # docs/storage.md
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --mib 8 --reps 2 "
     "--image_reps 1 --growth_gb 4": Cover("check"),

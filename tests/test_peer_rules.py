@@ -1,6 +1,7 @@
 """The peers' admission rules (admission/peers.py) on hand-worked schedules, what each
 gives up (admission/costs.py), and the rules in the simulator and the controller."""
 import collections
+import json
 
 import gin
 import numpy as np
@@ -282,3 +283,38 @@ def test_verl_syncs_weights_every_trigger_steps():
                                               "partial_rollout": partial})
     assert set(np.unique(r.v_gen) % 2) == {0}  # rollout only ever saw synced versions
     assert r.v_consume.max() > 2
+
+
+def test_real_peers_configurations_and_report(tmp_path, monkeypatch):
+  """scripts/real_peers.py's pure parts: each rule's runs at the windows sim/peers.py
+  gives them, its knobs as gin bindings, and the report over (synthetic) runs."""
+  monkeypatch.syspath_prepend("scripts")
+  import real_peers
+  confs = real_peers.configurations(["areal", "tinker_discard", "prime_rl"], [4, 8, 16],
+                                    ["quota_aware"], g=4)
+  by = {(c["rule"], str(c["options"])): c for c in confs}
+  assert [c["window"] for c in confs if c["rule"].startswith("constraint")] == [4, 8, 16]
+  assert by[("areal", "{'max_head_offpolicyness': 3}")]["window"] == 16  # gated: the largest
+  assert by[("tinker_discard", "{'max_steps_off_policy': 3}")]["window"] == 16  # (3 + 1) g
+  assert sorted(c["window"] for c in confs if c["rule"] == "prime_rl") == [8, 16, 32]
+  areal = by[("areal", "{'max_head_offpolicyness': 7}")]
+  assert "ArealPolicy.max_head_offpolicyness = 7" in real_peers.bindings(areal, 0, 20)
+
+  def run(rule, window, options, seed, thr, a):
+    return {"rule": rule, "window": window, "options": options, "seed": seed,
+            "throughput_traj_per_s": thr, "arch_staleness_mean": a, "arch_staleness_p99": a,
+            "quota_error": {"mean": 0.0 if rule.startswith("c") else 0.2, "max": 0.3,
+                            "worst_source": {"max": 0.1}, "mini_batch": {"mean": 0.5}},
+            "tail_bias": tail_bias([("a", 1.0, "trained"), ("a", 2.0, "stale")]),
+            "dropped": {}, "stalled": None, "sim": {"arch_staleness_mean": a,
+                                                    "traj_per_s": thr * 1.1}}
+  runs = [run("constraint_preserving+quota_aware", w, {}, s, thr, a)
+          for s in (0, 1) for w, thr, a in ((4, 10.0, 0.5), (8, 20.0, 1.0))]
+  runs += [run("areal", 16, {"max_head_offpolicyness": 1}, s, 15.0, 2.0) for s in (0, 1)]
+  out = {"runs": runs, "seeds": [0, 1], "train_batches": 2, "gin_file": "x", "G": 16, "g": 4,
+         "wall_s": 1.0}
+  real_peers.report(out, ["areal"], str(tmp_path / "r.json"))
+  r = json.loads((tmp_path / "r.json").read_text())["summary"]
+  m = r["rules"]["areal"]["frontier"][0]["matched_reduction"]
+  assert m["mean"] == pytest.approx(0.5)  # ours at W = 8 (20/s >= 15/s): 1 - 1.0 / 2.0
+  assert r["sim_relative_error"]["throughput_traj_per_s"]["mean"] == pytest.approx(0.1)

@@ -177,7 +177,7 @@ def summarize_rules(points: list[dict], rules: Sequence[str]) -> dict:
   constraint-preserving (each dispatch) with its own frontier and costs beside them."""
   ours = [p for p in points if p["rule"] in OURS]
   out = {}
-  for name in [*rules, *OURS]:
+  for name in [*rules, *(o for o in OURS if any(p["rule"] == o for p in ours))]:
     mine = [p for p in points if p["rule"] == name]
     values = sorted({_key(p) for p in mine})
     frontier, red = [], []
