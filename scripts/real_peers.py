@@ -22,8 +22,6 @@ import argparse
 import json
 import os
 import shlex
-import shutil
-import subprocess
 import sys
 import time
 
@@ -32,11 +30,12 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from knittrans_jax import cli  # noqa: E402
+from knittrans_jax.admission import POLICIES  # noqa: E402
 from knittrans_jax.sim import peers as P  # noqa: E402
 from knittrans_jax.sim.trace import predict  # noqa: E402
 from knittrans_jax.study import matched  # noqa: E402
 from bench_throughput import run_bindings, steady_traj_per_s  # noqa: E402  (scripts/)
-from real_staleness import batch_shape  # noqa: E402  (scripts/)
+from real_staleness import batch_shape, run_train  # noqa: E402  (scripts/)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Each rule's settings in the real job: version gates and bounds of 1, 3 and 7 steps
@@ -46,9 +45,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # chosen from these runs.
 RULE_SETTINGS = {"areal": (1, 3, 7), "verl": (0.0, 1.0, 3.0), "nemo_weight_fifo": (1, 3, 7),
                  "nemo_windowed": (1, 3, 7), "prime_rl": (2, 4, 8), "tinker_discard": (1, 3, 7)}
-CLASSES = {"areal": "ArealPolicy", "verl": "VerlPolicy", "nemo_weight_fifo": "NemoWeightFifoPolicy",
-           "nemo_windowed": "NemoWindowedPolicy", "prime_rl": "PrimeRlPolicy",
-           "tinker_discard": "TinkerDiscardPolicy"}
 
 
 def configurations(rules, windows, dispatches, g: int) -> list[dict]:
@@ -69,26 +65,15 @@ def bindings(c: dict, seed: int, train_batches: int) -> list[str]:
   return [*run_bindings(train_batches), f"JobConfig.policy = '{c['policy']}'",
           f"JobConfig.dispatch = '{c['dispatch']}'", f"JobConfig.window = {c['window']}",
           f"JobConfig.seed = {seed}",
-          *(f"{CLASSES[c['policy']]}.{k} = {v!r}" for k, v in c["options"].items())]
+          *(f"{POLICIES[c['policy']].__name__}.{k} = {v!r}" for k, v in c["options"].items())]
 
 
 def run_one(args, c: dict, seed: int) -> dict:
   opts = "_".join(f"{v}" for v in c["options"].values())
   wd = os.path.join(args.workdir, f"{c['rule']}_W{c['window']}_{opts}_s{seed}".replace("+", "-"))
-  cmd = [sys.executable, "scripts/train.py", "--gin_file", args.gin_file, "--workdir", wd,
-         "--overwrite"]
-  for b in [*bindings(c, seed, args.train_batches), *args.gin_bindings]:
-    cmd += ["--gin_bindings", b]
   t = time.perf_counter()
-  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
-  if proc.returncode:
-    raise RuntimeError(f"{c['rule']} W={c['window']} {c['options']} seed {seed} failed:\n"
-                       f"{proc.stderr[-3000:]}")
-  for heavy in ("store", "checkpoints", "weights"):
-    shutil.rmtree(os.path.join(wd, heavy), ignore_errors=True)
-  with open(os.path.join(wd, "summary.json")) as f:
-    s = json.load(f)
+  s = run_train(args.gin_file, wd, [*bindings(c, seed, args.train_batches), *args.gin_bindings],
+                f"{c['rule']} W={c['window']} {c['options']} seed {seed}")
   skip = args.skip_train_batches * (s["steps"] // args.train_batches)
   dropped = {k: v for k, v in s["groups"].items() if k not in ("trained", "failed")}
   rec = {"rule": c["rule"], "policy": c["policy"], "dispatch": c["dispatch"],

@@ -62,6 +62,23 @@ def bindings(policy: str, dispatch: str, window: int, seed: int, train_batches: 
           f"JobConfig.seed = {seed}"]
 
 
+def run_train(gin_file: str, workdir: str, run_bindings_: list[str], what: str) -> dict:
+  """One `scripts/train.py` run to completion (its store and checkpoints deleted after);
+  returns its summary.json. A failure names `what` and ends with the run's stderr."""
+  cmd = [sys.executable, "scripts/train.py", "--gin_file", gin_file, "--workdir", workdir,
+         "--overwrite"]
+  for b in run_bindings_:
+    cmd += ["--gin_bindings", b]
+  proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                        env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  if proc.returncode:
+    raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+  for heavy in ("store", "checkpoints", "weights"):
+    shutil.rmtree(os.path.join(workdir, heavy), ignore_errors=True)
+  with open(os.path.join(workdir, "summary.json")) as f:
+    return json.load(f)
+
+
 class Runner:
   """Runs configurations on every seed, once each, keeping their records."""
 
@@ -80,20 +97,10 @@ class Runner:
   def one(self, policy: str, dispatch: str, window: int, seed: int) -> dict:
     a = self.args
     wd = os.path.join(a.workdir, f"{policy}_{dispatch}_W{window}_s{seed}")
-    cmd = [sys.executable, "scripts/train.py", "--gin_file", a.gin_file, "--workdir", wd,
-           "--overwrite"]
-    for b in [*bindings(policy, dispatch, window, seed, a.train_batches), *a.gin_bindings]:
-      cmd += ["--gin_bindings", b]
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    if proc.returncode:
-      raise RuntimeError(f"{policy} / {dispatch} W={window} seed {seed} failed:\n"
-                         f"{proc.stderr[-3000:]}")
-    for heavy in ("store", "checkpoints"):
-      shutil.rmtree(os.path.join(wd, heavy), ignore_errors=True)
-    with open(os.path.join(wd, "summary.json")) as f:
-      s = json.load(f)
+    s = run_train(a.gin_file, wd, [*bindings(policy, dispatch, window, seed, a.train_batches),
+                                   *a.gin_bindings],
+                  f"{policy} / {dispatch} W={window} seed {seed}")
     skip = a.skip_train_batches * (s["steps"] // a.train_batches)
     rec = {"policy": policy, "dispatch": dispatch, "window": window, "seed": seed,
            "traj_per_s": steady_traj_per_s(wd, skip), "skip_steps": skip,
