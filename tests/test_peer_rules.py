@@ -318,3 +318,12 @@ def test_real_peers_configurations_and_report(tmp_path, monkeypatch):
   m = r["rules"]["areal"]["frontier"][0]["matched_reduction"]
   assert m["mean"] == pytest.approx(0.5)  # ours at W = 8 (20/s >= 15/s): 1 - 1.0 / 2.0
   assert r["sim_relative_error"]["throughput_traj_per_s"]["mean"] == pytest.approx(0.1)
+
+
+def test_a_resumed_gate_counts_what_was_trained():
+  p = make_policy("areal", SPEC, max_head_offpolicyness=0)
+  p.restore_position({"train_batch": 1, "index": 0, "needed": None})  # version 2
+  assert start(p, 2, range(9)) == [0, 1]  # as a run that never stopped: (0 + 2 + 1) x 2 - 4
+  q = make_policy("nemo_weight_fifo", SPEC, max_staleness_versions=1)
+  q.restore_position({"train_batch": 1, "index": 1, "needed": None})  # version 3
+  assert start(q, 3, range(9)) == [0, 1, 2, 3]

@@ -66,6 +66,13 @@ class _PeerRule(AdmissionPolicy):
   def options(self):
     return {k: getattr(self, attr) for k, attr in self.knobs}
 
+  def restore_position(self, position):
+    """A resumed run: the groups trained before count as started (AReaL's
+    `on_version_recovered` sets accepted = version x batch size), so a gate on what
+    was ever started holds across the restart."""
+    super().restore_position(position)
+    self._started += self._version_seen * self.g
+
   def _finished_groups(self) -> list[GroupInfo]:
     return [grp for v in self._pool.values() for grp in v]
 
