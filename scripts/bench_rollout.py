@@ -82,8 +82,8 @@ from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.agent_loop import FailedGroup
 from knittrans_jax.rollout.groups import AgentSource, Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
-from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
-                                           wire_template)
+from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig, wire_template
 
 WORKLOADS = {"tails": "configs/text_grpo_tails.gin", "long_tails": "configs/text_long_tails.gin",
              "agentic": "configs/agentic_tails.gin"}

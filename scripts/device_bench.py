@@ -87,8 +87,8 @@ from knittrans_jax.rollout.engine import (EngineSpec, GroupRequest, PromptSpec,
                                           response_seeds)
 from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.sampler import SamplerConfig
-from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber,
-                                           WeightSyncConfig, wire_template)
+from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig, wire_template
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.storage.synthetic import random_group
 from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions,

@@ -1,4 +1,4 @@
-"""Chunk files reclaimed into an array's free pool (file_chunks.release, recycle=True)
+"""Chunk files reclaimed into an array's free pool (chunk_pool.release, recycle=True)
 are taken by the unit's writer for its new chunks: written over in place, with every
 committed row reading back as written and a failed append leaving nothing broken."""
 import dataclasses
@@ -9,7 +9,7 @@ import pytest
 from store_helpers import SOURCES, check_payload, group
 
 from knittrans_jax.storage import Image, StoreError, StoreSchema, TrajectoryStore
-from knittrans_jax.storage import file_chunks
+from knittrans_jax.storage import chunk_pool, file_chunks
 
 SEED, N = 11, 4
 # Small chunks: a few appends fill several chunks of `sequences` and `images/data`.
@@ -30,7 +30,7 @@ def _reclaim(unit_dir, array: str, below: int) -> set[int]:
   inodes = set()
   for k, ino in _chunk_files(unit_dir, array).items():
     if k < below:
-      assert file_chunks.release(array_dir, file_chunks.chunk_path(array_dir, k, 1), recycle=True)
+      assert chunk_pool.release(array_dir, file_chunks.chunk_path(array_dir, k, 1), recycle=True)
       inodes.add(ino)
   return inodes
 
@@ -92,7 +92,7 @@ def test_new_chunks_reuse_released_files_and_live_rows_read_back(tmp_path, check
       assert made & inodes, array
     else:
       assert len(made & inodes) == min(len(made), len(inodes)), array
-    pool = unit / array / file_chunks.FREE_DIR
+    pool = unit / array / chunk_pool.FREE_DIR
     assert len(os.listdir(pool)) == max(0, len(inodes) - len(made)), array
   assert not [f for f in os.listdir(unit / "sequences" / "c") if "tmp" in f]
   first = below * 64
@@ -106,17 +106,17 @@ def test_an_append_failing_after_it_took_a_free_file_leaves_committed_rows_intac
   url, unit, w, images = _unit_with(tmp_path, checksum, 6)
   freed = _reclaim(unit, "sequences", 3)
   committed = w.commit
-  real_take = file_chunks.FreePool.take
+  real_take = chunk_pool.FreePool.take
 
   def take_then_fail(self, dst):
     if "/sequences/" not in dst:
       return real_take(self, dst)
     assert real_take(self, dst)  # the free file is renamed into place, then the disk fails
     raise OSError("injected failure after taking a free file")
-  monkeypatch.setattr(file_chunks.FreePool, "take", take_then_fail)
+  monkeypatch.setattr(chunk_pool.FreePool, "take", take_then_fail)
   with pytest.raises(StoreError, match="injected failure after taking a free file"):
     _append(w, 6, images)
-  monkeypatch.setattr(file_chunks.FreePool, "take", real_take)
+  monkeypatch.setattr(chunk_pool.FreePool, "take", real_take)
   assert w.commit == committed
   assert _check_live(url, 3 * 64, images) > 0
   assert not [f for f in os.listdir(unit / "sequences" / "c") if "tmp" in f]
@@ -176,10 +176,10 @@ def test_a_free_file_goes_into_a_new_chunk_directory(tmp_path):
   old = file_chunks.chunk_path(array_dir, 0, 2)
   file_chunks.replace(old, np.arange(8, dtype=np.int64), checksum=True)
   ino = os.stat(old).st_ino
-  assert file_chunks.release(array_dir, old, recycle=True)
-  assert not file_chunks.release(array_dir, old, recycle=True)  # reclaimed before
+  assert chunk_pool.release(array_dir, old, recycle=True)
+  assert not chunk_pool.release(array_dir, old, recycle=True)  # reclaimed before
   new = file_chunks.chunk_path(array_dir, 3, 2)
-  file_chunks.replace(new, np.arange(8, 16, dtype=np.int64), True, file_chunks.FreePool(array_dir))
+  file_chunks.replace(new, np.arange(8, 16, dtype=np.int64), True, chunk_pool.FreePool(array_dir))
   assert os.stat(new).st_ino == ino and not os.listdir(tmp_path / "rows" / "free")
   with open(new, "rb") as f:
     assert f.read()[:64] == np.arange(8, 16, dtype=np.int64).tobytes()

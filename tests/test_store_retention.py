@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from knittrans_jax.job.reclaim import WatermarkPublisher
-from knittrans_jax.storage import StoreSchema, TrajectoryStore, file_chunks
+from knittrans_jax.storage import StoreSchema, TrajectoryStore, chunk_pool, file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError
 from knittrans_jax.storage.images import Image
@@ -55,7 +55,7 @@ def _chunk_files(store, unit="w0"):
   root = file_chunks.local_path(L.join(store.url, unit))
   return sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root)
                 for f in fs if f"{os.sep}c{os.sep}" in os.path.join(d, f) + os.sep
-                and f"{os.sep}{file_chunks.FREE_DIR}{os.sep}" not in os.path.join(d, "") )
+                and f"{os.sep}{chunk_pool.FREE_DIR}{os.sep}" not in os.path.join(d, "") )
 
 
 @pytest.fixture(params=["memory", "file"])
@@ -117,7 +117,7 @@ def test_a_writer_killed_while_reclaiming_finishes_when_reopened(tmp_path, monke
   store = _store(f"file://{tmp_path}/store")
   w, metas, _ = _fill(store)
   store.retain_from("w0", 120)
-  real, calls = file_chunks.release, []
+  real, calls = chunk_pool.release, []
 
   def die_after_three(*args):  # the process dies mid-way through its deletions
     if len(calls) == 3:
@@ -125,10 +125,10 @@ def test_a_writer_killed_while_reclaiming_finishes_when_reopened(tmp_path, monke
     calls.append(args)
     return real(*args)
 
-  monkeypatch.setattr(file_chunks, "release", die_after_three)
+  monkeypatch.setattr(chunk_pool, "release", die_after_three)
   with pytest.raises(KeyboardInterrupt):
     w.reclaim()
-  monkeypatch.setattr(file_chunks, "release", real)
+  monkeypatch.setattr(chunk_pool, "release", real)
   records = Records("w0", L.join(store.url, "w0"))
   now, prev = records.floors()
   assert now.watermark == 120 and prev.watermark == 0  # recorded, not finished

@@ -119,7 +119,8 @@ def test_published_weights_load_as_views_of_the_trainers_segment(server, model, 
   this process's descriptor, even once its name is gone; nothing is written for them."""
   import jax.numpy as jnp
 
-  from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber, WeightSyncConfig
+  from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
+  from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig
   _, config, graphdef, params = model
   engine = engine_on(server.url, model)
   pub = WeightPublisher(str(tmp_path), sync=WeightSyncConfig(transport="shm").resolve("local"),

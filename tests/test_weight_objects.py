@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from knittrans_jax.rollout import weight_objects
-from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
-                                           WeightSyncError, wire_template)
+from knittrans_jax.rollout.weight_subscriber import WeightSubscriber, WeightSyncError
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig, wire_template
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

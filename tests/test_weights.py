@@ -18,8 +18,8 @@ from flax import nnx
 
 from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rollout.weight_segment import PieceOut, SegmentError, read_segment, write_segment
-from knittrans_jax.rollout.weights import (WeightPublisher, WeightSubscriber, WeightSyncConfig,
-                                           WeightSyncError, wire_template)
+from knittrans_jax.rollout.weight_subscriber import WeightSubscriber, WeightSyncError
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig, wire_template
 from knittrans_jax.train import MeshConfig, OptimizerConfig, init_train_state, make_mesh, make_optimizer
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)

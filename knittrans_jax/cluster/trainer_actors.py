@@ -23,7 +23,8 @@ from typing import Callable
 
 from knittrans_jax.cluster.ray_setup import RayConfig, actor_env, record_start
 from knittrans_jax.job.roles import TrainerLost
-from knittrans_jax.rollout.weights import WeightPublisher, WeightSubscriber, WeightSyncConfig
+from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
+from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig
 from knittrans_jax.rollout.worker import one_device_xla_flags
 
 

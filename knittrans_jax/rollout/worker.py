@@ -128,7 +128,8 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
   from knittrans_jax.rollout.engine import EngineSpec, PromptSpec
   from knittrans_jax.rollout.engines import make_engine
   from knittrans_jax.rollout.groups import Suite
-  from knittrans_jax.rollout.weights import WeightSubscriber, wire_template
+  from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
+  from knittrans_jax.rollout.weights import wire_template
   from knittrans_jax.storage import TrajectoryStore
 
   try:

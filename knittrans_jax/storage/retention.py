@@ -21,7 +21,7 @@ its image index (which image ids a new row may refer to without storing them
 again) drops the reclaimed images in the same step, and a new row never refers to
 an image that is gone. On a local file store written directly, the large chunk files
 (`sequences`, `images/data`) go to the array's free pool for the next chunk the
-writer writes (file_chunks.release), so a run in steady state writes into pages the
+writer writes (chunk_pool.release), so a run in steady state writes into pages the
 file system already holds; other chunks, and every chunk of other kvstores, are
 deleted.
 
@@ -43,7 +43,7 @@ import google_crc32c
 import numpy as np
 import tensorstore as ts
 
-from knittrans_jax.storage import file_chunks
+from knittrans_jax.storage import chunk_pool, file_chunks
 from knittrans_jax.storage import layout as L
 from knittrans_jax.storage.errors import CorruptUnitError, StoreError
 
@@ -180,7 +180,7 @@ class Reclaimer:
   def __init__(self, unit: str, unit_url: str, arrays: dict[str, ts.TensorStore],
                durable: bool, direct: bool):
     """`direct`: the writer writes this local unit's chunk files itself, so it takes
-    recycled files from the free pools (file_chunks.release)."""
+    recycled files from the free pools (chunk_pool.release)."""
     self.unit, self._arrays = unit, arrays
     self.records = Records(unit, unit_url, durable)
     self._dir = file_chunks.local_path(unit_url)
@@ -202,7 +202,7 @@ class Reclaimer:
       for k in range(lo[name] // c, hi[name] // c):
         if self._dir is not None:
           array_dir = self._dir + name
-          done += file_chunks.release(array_dir, file_chunks.chunk_path(array_dir, k, ndim),
+          done += chunk_pool.release(array_dir, file_chunks.chunk_path(array_dir, k, ndim),
                                       self._recycle and name in RECYCLED)
         else:
           key = chunk_key(name, k, ndim)
@@ -249,7 +249,7 @@ class Reclaimer:
     """Deletes the free pools' files (the writer appends no more); returns how many."""
     if self._dir is None:
       return 0
-    return sum(file_chunks.drop_pool(self._dir + name) for name in RECYCLED)
+    return sum(chunk_pool.drop_pool(self._dir + name) for name in RECYCLED)
 
   def _done(self) -> None:
     """Every deletion of the last reclamation is done: a reopened writer has none left."""

@@ -34,7 +34,7 @@ bytes; the next append overwrites what it needs. A boundary chunk whose file is
 missing or not a whole chunk (a damaged file) is replaced whole from the tail.
 
 New chunks take their files from the array's free pool (`{array}/free/`, where
-retention puts chunk files it reclaimed: file_chunks.release, FreePool) when it has
+retention puts chunk files it reclaimed: chunk_pool.release, FreePool) when it has
 one, so a run in steady state writes into pages the file system already holds: in
 place as above, or as the temporary file of a chunk replaced whole. A chunk that
 holds committed data never takes one, and a file replaced out of a chunk is deleted,
@@ -57,7 +57,7 @@ import itertools
 import numpy as np
 import tensorstore as ts
 
-from knittrans_jax.storage import file_chunks
+from knittrans_jax.storage import chunk_pool, file_chunks
 from knittrans_jax.storage import layout as L
 
 
@@ -155,7 +155,7 @@ class WholeChunkAppender:
     # Whole chunks are put in place by a plain rename on tmpfs (file_chunks.no_writeback).
     self.exchange = not local_dir or file_chunks.exchange_in(local_dir)
     self._chunk, self._fill, self._crc, reads = {}, {}, {}, {}
-    self._pools: dict[str, file_chunks.FreePool] = {}
+    self._pools: dict[str, chunk_pool.FreePool] = {}
     for name, n in extents.items():
       rows = arrays[name].chunk_layout.write_chunk.shape[0]
       self._crc[name] = any(c["name"] == "crc32c" for c in arrays[name].codec.to_json()["codecs"])
@@ -198,10 +198,10 @@ class WholeChunkAppender:
       self._seq[i] = _SeqChunk(self._chunk["sequences"])
     return self._seq[i]
 
-  def _pool(self, name: str) -> file_chunks.FreePool:
-    """Where new chunks of a local array take their files (file_chunks.release)."""
+  def _pool(self, name: str) -> chunk_pool.FreePool:
+    """Where new chunks of a local array take their files (chunk_pool.release)."""
     if name not in self._pools:
-      self._pools[name] = file_chunks.FreePool(self._dir + name)
+      self._pools[name] = chunk_pool.FreePool(self._dir + name)
     return self._pools[name]
 
   def write(self, name: str, extent: int, data: np.ndarray):
