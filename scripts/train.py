@@ -16,9 +16,11 @@ checkpoints/, store/, weights/} and prints the summary as a table.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import shutil
 
-from knittrans_jax import cli
+from knittrans_jax import cli, cpu_profile
 
 
 def main():
@@ -26,6 +28,9 @@ def main():
   cli.add_flags(parser, workdir_default="runs/text_grpo_tiny")
   parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
   parser.add_argument("--overwrite", action="store_true", help="delete WORKDIR first")
+  parser.add_argument("--profile", action="store_true",
+                      help="CPU time by phase in every process of the run (knittrans_jax/"
+                           "cpu_profile.py): WORKDIR/profile.json and a table")
   args = parser.parse_args()
   if args.overwrite and args.resume:
     parser.error("--overwrite and --resume exclude each other")
@@ -38,9 +43,20 @@ def main():
     return
   if args.overwrite:
     shutil.rmtree(args.workdir, ignore_errors=True)
+  if args.profile:  # before the imports, which are start-up
+    profile_dir = os.path.join(args.workdir, "profile")
+    shutil.rmtree(profile_dir, ignore_errors=True)
+    os.environ[cpu_profile.ENV] = os.path.abspath(profile_dir)  # the workers inherit it
+    cpu_profile.start("trainer", compute_phase="train_step")
   from knittrans_jax.launch import run  # noqa: E402  (imports JAX models)
   cli.parse(args)
   summary = run(args.workdir, resume=args.resume)
+  if args.profile:
+    report = cpu_profile.summarize(profile_dir, summary["trajectories"], summary["wall_s"],
+                                   len(os.sched_getaffinity(0)))
+    with open(os.path.join(args.workdir, "profile.json"), "w") as f:
+      json.dump(report, f, indent=1)
+    print(cpu_profile.table(report))
   print()
   start, last = summary.get("eval_start"), summary.get("eval_last")
   if last:  # the headline: the policy on held-out prompts, not its stale samples' reward

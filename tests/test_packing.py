@@ -169,3 +169,27 @@ def test_segments_do_not_see_each_other():
   out = np.asarray(model(row, seg > 0, positions=pos, segment_ids=seg))[0]
   np.testing.assert_allclose(out[:7], alone[0], atol=1e-5)
   np.testing.assert_allclose(out[7:12], alone[1], atol=1e-5)
+
+
+def test_the_first_step_compiles_every_packed_row_count():
+  """A packed row count met first mid-run would stall that step on tracing and
+  compiling: the trainer compiles the other counts at its first micro-batch, on
+  all-padding batches, and leaves the state as it was."""
+  from knittrans_jax.job.trainer import BatchLayout, Centralized, Trainer
+  cfg = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64, kv_heads=2)
+  fns, state = _build(cfg, LossConfig())
+  mb, data = _trajectories(seed=3, groups=12)
+  packed = StepPlanner(1, 16, pack=PackLayout(row_tokens=T, max_rows=16, row_unit=8))(mb)
+  rows, row_of = packed.local_rows([0], 0)
+  batch = build_packed_batch(_payload(packed.local_micro_batches([0])[0], data),
+                             packed.advantages, row_of, T, rows)
+  layout = BatchLayout(rows=16, seq_len=T, vocab_size=64, rows_multiple=8, packed_rows=(8, 16))
+  trainer = Trainer(fns, state, Centralized(fetch=None), layout)
+  before = jax.device_get(state.params)
+
+  def compiled():
+    return {dict(key[1])["tokens"][0] for key in fns._jitted if key[0] == "micro"}
+  trainer._warm_packed_shapes({k: np.asarray(v) for k, v in batch.items()})
+  assert compiled() == {8, 16} - {rows}  # the one it was given compiles when it runs
+  assert trainer._warmed
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(trainer.state.params), before)

@@ -246,3 +246,11 @@ def test_the_cosine_schedule_runs_to_the_jobs_last_step():
   assert float(lr(2)) == pytest.approx(1.0) and float(lr(12)) == pytest.approx(0.1)
   assert cfg.for_steps(12).total_steps == 12
   assert OptimizerConfig(total_steps=50).for_steps(12).total_steps == 50  # given: kept
+
+
+def test_checkpoint_config_rejects_a_zero_interval():
+  """orbax divides by the interval: 0 fails at set-up, naming the field, not mid-run."""
+  with pytest.raises(ValueError, match=r"CheckpointConfig.every_steps = 0"):
+    CheckpointConfig(every_steps=0)
+  with pytest.raises(ValueError, match=r"CheckpointConfig.keep = 0"):
+    CheckpointConfig(keep=0)

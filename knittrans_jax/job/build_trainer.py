@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knittrans_jax.dataplane.centralized import local_driver
-from knittrans_jax.job.setup import JobSetup, checkpoint_dir
+from knittrans_jax.job.setup import JobSetup, checkpoint_dir, pack_layout, prefix_tokens
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
 from knittrans_jax.models import hf, qwen_vl
 from knittrans_jax.models.vlm import make_model
@@ -103,9 +103,13 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
   P, p = where.processes, where.process
   per_process = where.consumers // P
   version = int(jax.device_get(state.version))  # once; the trainer counts on the host
+  packed_rows = ()
+  if cfg.packing:  # the plan's per-consumer row counts, for this process's consumers
+    shapes = pack_layout(cfg, where.consumers, rows_multiple, prefix_tokens(setup)).shapes()
+    packed_rows = tuple(r * per_process for r in shapes)
   layout = BatchLayout(rows=cfg.micro_batch_size // P, seq_len=cfg.seq_len,
                        vocab_size=setup.model.vocab_size, rows_multiple=rows_multiple // P,
-                       vision=setup.vision)
+                       vision=setup.vision, packed_rows=packed_rows)
   # Shared memory when the host has room for the versions (rollout/weights.py).
   sync = setup.weights.resolve(cfg.cluster, setup.weights.wire_bytes(state.params, setup.model))
   # A damaged unit is quarantined, not fatal: its readable rows and every other

@@ -30,7 +30,8 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from knittrans_jax import gin_cli
+from knittrans_jax import cpu_profile, gin_cli
+from knittrans_jax.cpu_profile import phase
 from knittrans_jax.job.controller import Controller, JobStalled
 from knittrans_jax.job.evaluation import Evaluator
 from knittrans_jax.job.metrics import MetricsLog
@@ -142,6 +143,7 @@ class Driver:
                   [{**g, "fate": fates.get(g["group"], "pending")} for g in controller.group_times],
                   self.step_seconds, self.policy.options())
     gin_cli.save_operative_config(self.workdir)
+    cpu_profile.write()
     return summary
 
   def _evaluate(self) -> tuple[dict, float]:
@@ -163,29 +165,35 @@ class Driver:
     if ev is not None and ev.config.at_start and trainers.version == 0:
       self.log.start_eval(*self._evaluate())  # the initial policy: where the curve starts
     while trainers.version < target and not self.stop_requested:
-      ctl.dispatch(trainers.version)
-      ctl.poll(timeout=0.0 if ahead else 0.05)  # block briefly only with nothing to train
-      admit()
+      with phase("controller"):
+        ctl.dispatch(trainers.version)
+        ctl.poll(timeout=0.0 if ahead else 0.05)  # block briefly only with nothing to train
+        admit()
       if not ahead:
         ctl.check_stall()
         continue
       mb, work = ahead.popleft()
       v_consume = trainers.version
       t_step = time.perf_counter()
-      result = trainers.step(work)  # applied on dispatch; the devices compute on
+      with phase("train_step"):
+        result = trainers.step(work)  # applied on dispatch; the devices compute on
       failure = None
       if trainers.version < target:  # admit and read the next one meanwhile
         try:
-          ctl.dispatch(trainers.version)
-          ctl.poll(timeout=0.0)
-          admit()
+          with phase("controller"):
+            ctl.dispatch(trainers.version)
+            ctl.poll(timeout=0.0)
+            admit()
         except Exception as e:  # noqa: BLE001  (re-raised once this step is recorded)
           failure = e
       # Record the step before anything else can fail: its update is applied, so a
       # checkpoint written now must count its groups as trained.
-      sums, grad_norm = result.fetch()  # the step's one host round trip
+      with phase("train_step"):
+        sums, grad_norm = result.fetch()  # the step's one host round trip
+      cpu_profile.loop_started()  # (the first step's compilation is start-up)
       train_s = time.perf_counter() - t_step
-      ctl.trained(mb)
+      with phase("controller"):
+        ctl.trained(mb)
       metas = [m for grp in mb.groups for m in grp.metas]
       evaluation, eval_s = None, 0.0
       if ev is not None and ev.due(trainers.version, target):
@@ -202,7 +210,8 @@ class Driver:
       # Weights to the workers after every step (a peer rule may sync less often).
       if self.cfg.mode != "colocated" and trainers.version % self.policy.publish_every == 0:
         t_pub = time.perf_counter()
-        trainers.publish()  # synchronous: before the next train batch is dispatched
+        with phase("publish"):
+          trainers.publish()  # synchronous: before the next train batch is dispatched
         train_s += time.perf_counter() - t_pub
       self.step_seconds.append(train_s)  # the trainer's time for this step, publish included
       if trainers.save_due():

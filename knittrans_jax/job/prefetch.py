@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Callable, Sequence
 
+from knittrans_jax.cpu_profile import phase
 from knittrans_jax.dataplane.reader import DataReadError
 
 ReadTask = tuple[str, Callable[[], Any]]  # (what it reads, for errors; the work)
@@ -36,7 +37,8 @@ class StreamStats:
 
 def _run_job(label: str, fn: Callable[[], Any]):
   try:
-    return fn()
+    with phase("store_read"):  # read, prepare, put on the devices
+      return fn()
   except Exception as e:  # surfaces in the step that needs this item
     err = DataReadError(f"reading {label} failed: {e}")
     err.__cause__ = e

@@ -89,6 +89,9 @@ class BatchLayout:
   vocab_size: int
   rows_multiple: int = 1  # batch shards this trainer's rows split over
   vision: VisionSpec | None = None
+  # JobConfig.packing: every row count this trainer's packed micro-batches can have,
+  # each compiled at the first step, so no step meets a new shape mid-run.
+  packed_rows: tuple[int, ...] = ()
 
   @property
   def image_shape(self) -> tuple[int, int, int] | None:
@@ -172,6 +175,7 @@ class Trainer:
     self._last = None  # the newest array the devices are computing
     self.read_ids: list[str] = []  # trajectories this trainer read (logs/trainer{p}.json)
     self._warned: set[str] = set()
+    self._warmed = not layout.packed_rows
 
   # -- the entry point ----------------------------------------------------------------
   def prefetch(self, work: StepWork) -> None:
@@ -232,6 +236,8 @@ class Trainer:
           sums = fns.zero_sums(self.state, batch, self.reference)
         grads, sums = fns.micro_step(self.state, grads, sums, batch, total, self.reference)
         self._last = sums
+        if not self._warmed:
+          self._warm_packed_shapes(batch)
     self._report_quarantine()
     if not apply:
       return StepResult(work.key, self.version, sums, grads=grads)
@@ -239,6 +245,22 @@ class Trainer:
     self.version += 1
     self._last = metrics["grad_norm"]
     return StepResult(work.key, self.version, sums, grad_norm=metrics["grad_norm"])
+
+  def _warm_packed_shapes(self, batch: dict) -> None:
+    """Compiles the micro step for the packed row counts `batch` does not have, on
+    all-padding batches (no token counts; the gradients are dropped): a row count met
+    first mid-run would cost that step its tracing and compilation (~0.5 s here)."""
+    self._warmed = True
+    have = batch["tokens"].shape[0]
+    for rows in self.layout.packed_rows:
+      if rows == have:
+        continue
+      host = {k: np.zeros((rows,) + v.shape[1:], v.dtype) for k, v in batch.items()}
+      zeros = self._put(host)
+      fns = self.fns
+      fns.micro_step(self.state, fns.zero_grads(self.state.params),
+                     fns.zero_sums(self.state, zeros, self.reference), zeros, jnp.float32(1),
+                     self.reference)
 
   # -- reading ------------------------------------------------------------------------
   def _take(self):

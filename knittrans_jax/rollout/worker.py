@@ -123,6 +123,9 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
     _take_environment(env)
   from flax import nnx
 
+  from knittrans_jax import cpu_profile
+  from knittrans_jax.cpu_profile import phase
+  cpu_profile.start(f"worker{worker_id}", compute_phase="engine")
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.agent_loop import EpisodeGroup, FailedGroup
   from knittrans_jax.rollout.engine import EngineSpec, PromptSpec
@@ -157,46 +160,55 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
       # Take what is queued; wait a little for it only while the engine is idle.
       batch, idle = [], runner is None or not runner.busy
       try:
-        batch.append(requests.get(timeout=0.2) if idle else requests.get_nowait())
-        while batch[-1] is not None:
-          batch.append(requests.get_nowait())
+        with phase("controller"):
+          batch.append(requests.get(timeout=0.2) if idle else requests.get_nowait())
+          while batch[-1] is not None:
+            batch.append(requests.get_nowait())
       except queue.Empty:
         if idle and parent is not None and not parent.is_alive():
           break  # the trainer was killed (SIGKILL): do not linger as an orphan
       if None in batch:  # stop (the pool sets `stop` first): nothing more is reported
         break
-      update = weights.poll()  # sync point: between engine steps
-      if update is not None:
-        if rollout is None:
-          rollout = make_engine(spec, graphdef, update[1], update[0])
-          # What steps: the engine itself, or an agent loop over it.
-          runner = tasks.agent_loop(rollout, a.sampler_config) if tasks.multi_turn else rollout
-        else:
-          rollout.update_weights(*update)
+      with phase("publish"):
+        update = weights.poll()  # sync point: between engine steps
+        if update is not None:
+          if rollout is None:
+            rollout = make_engine(spec, graphdef, update[1], update[0])
+            # What steps: the engine itself, or an agent loop over it.
+            runner = tasks.agent_loop(rollout, a.sampler_config) if tasks.multi_turn else rollout
+          else:
+            rollout.update_weights(*update)
       if rollout is None:
         if batch:
           raise RuntimeError("no published weights to generate with")
         continue
-      for gid, source in batch:
-        held[gid] = tasks.task(seed, gid, source)
-        if tasks.multi_turn:
-          tasks.start(runner, held[gid], seed, gid, a.n)
-      if not tasks.multi_turn:
-        rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
+      with phase("engine"):
+        for gid, source in batch:
+          held[gid] = tasks.task(seed, gid, source)
+          if tasks.multi_turn:
+            tasks.start(runner, held[gid], seed, gid, a.n)
+        if not tasks.multi_turn:
+          rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
       # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
       # the weights and `stop`.
       deadline = time.perf_counter() + POLL_S
       while runner.busy:
-        for group in runner.step():
+        with phase("engine"):
+          finished = runner.step()
+        for group in finished:
           if isinstance(group, FailedGroup):
             held.pop(group.group_id)
             reports.put(GroupFailed(worker_id, group.group_id, group.reason))
             continue
           gid = group.group_id if isinstance(group, EpisodeGroup) else group.request.group_id
-          rolled = tasks.rolled(held.pop(gid), group)
+          with phase("engine"):  # scoring
+            rolled = tasks.rolled(held.pop(gid), group)
           # The group's image is stored once, however many responses share it.
-          metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
-          reports.put(GroupDone(worker_id, gid, tuple(metas), group.seconds))
+          with phase("store_write"):
+            metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
+          with phase("controller"):
+            reports.put(GroupDone(worker_id, gid, tuple(metas), group.seconds))
+          cpu_profile.loop_started()  # (the first group's compilation is start-up)
         if time.perf_counter() > deadline:
           break
     if runner is not None and runner is not rollout:
@@ -206,3 +218,5 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
   except Exception:  # reported, then the process exits non-zero
     reports.put(WorkerError(worker_id, traceback.format_exc()))
     raise
+  finally:
+    cpu_profile.write()  # a forked process skips atexit

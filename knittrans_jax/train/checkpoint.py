@@ -24,6 +24,14 @@ class CheckpointConfig:
   keep: int = 3
   async_save: bool = True
 
+  def __post_init__(self):
+    # orbax divides by the interval: 0 would fail at the first save, not here.
+    if not isinstance(self.every_steps, int) or self.every_steps < 1:
+      raise ValueError(f"CheckpointConfig.every_steps = {self.every_steps!r} must be an int >= 1 "
+                       "(the run's last step is always saved: a large value saves only that)")
+    if not isinstance(self.keep, int) or self.keep < 1:
+      raise ValueError(f"CheckpointConfig.keep = {self.keep!r} must be an int >= 1")
+
 
 class Checkpointer:
 
