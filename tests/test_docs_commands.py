@@ -281,6 +281,13 @@ COVER: dict[str, Cover] = {
     # docs/storage.md
     ".venv/bin/python scripts/bench_store.py --json runs/bench_store.json --mib 8 --reps 2 "
     "--image_reps 1 --growth_gb 4": Cover("check"),
+    # docs/vs_tunix.md
+    ".venv/bin/python scripts/bench_vs_tunix.py --json runs/bench_vs_tunix.json":
+        Cover("parse", toy="tests/test_bench_vs_tunix.py (--dry_run, where Tunix's venv is)"),
+    ".venv/bin/python scripts/bench_vs_tunix.py --json runs/vs_tunix_dry.json --dry_run":
+        Cover("parse", toy="tests/test_bench_vs_tunix.py (--dry_run, where Tunix's venv is)"),
+    ".venv/bin/python scripts/train.py --gin_file configs/vs_tunix/text.gin --workdir "
+    "runs/vs_tunix_profile --overwrite --profile": Cover("check"),
 }
 HOWS = ("check", "parse", "make", "files", "snippet", "excluded")
 
