@@ -27,11 +27,17 @@ run on the machine.
 Figures, per run: steady-state trajectories per second (trajectories of the steps
 after --warmup_steps over the time from the end of that step to the end of the
 last), the whole process's wall (measured here, interpreter start to exit), reward
-per step, staleness per step (the version trained minus the policy version at each
+per step, mean response tokens per step (the two policies learn differently, and a
+longer response is more work a trajectory: text, both sides), staleness per step (the version trained minus the policy version at each
 trajectory's first token, the same definition on both sides) and quota violations
 (steps whose source counts differ from the quotas). JSON: `text.ratio_steady` and
 `agentic.ratio_steady` (median over pairs of ours / Tunix, disaggregated pair),
-`*.colocated.ratio_steady`, each pair's runs, ratios and loads.
+`*.colocated.ratio_steady`, `*.<mode>.ratio_steady_response_tokens` (the same ratio in
+response tokens per second), each pair's runs, ratios and loads. The policies learn
+differently (on text ours answers in a few tokens where Tunix's keeps ~15), so a
+trajectory is not the same work on both sides; `--fixed_policy` workloads (text by
+default) run their pairs again with the policy held at its initialisation on both
+sides (`FIXED_POLICY`), where it is: `text.fixed_policy.<mode>.ratio_steady`.
 """
 from __future__ import annotations
 
@@ -55,6 +61,11 @@ CONFIGS = {"text": "configs/vs_tunix/text.gin", "agentic": "configs/vs_tunix/age
 PAIRS = {"text": (("colocated", 0), ("disaggregated", 0)),
          "agentic": (("colocated", 0), ("disaggregated", 1))}
 # --dry_run: toy sizes, a few steps (the suite's smoke run).
+# The policy held at its initialisation on both sides (a learning rate of 1e-9; every
+# step still computes and applies its update): the two sides then sample from the same
+# distribution, so a trajectory is the same work on both, whatever either learner would
+# have learned (the learning runs' answers differ in length: see response_len).
+FIXED_POLICY = "OptimizerConfig.learning_rate = 1e-9"
 DRY = {"text": ["TrainBatchSpec.group_size = 4", "TrainBatchSpec.groups_per_batch = 4",
                 "TrainBatchSpec.source_quota = {'nearest': 2, 'count': 1, 'chain': 1}"],
        "agentic": ["TrainBatchSpec.group_size = 4", "TrainBatchSpec.groups_per_batch = 4",
@@ -137,6 +148,8 @@ def run_ours(name: str, mode: str, bindings: list[str], steps: int, warmup: int,
   return {"side": "ours", "mode": mode, "load_before": load, "process_wall_s": wall,
           "steady_traj_per_s": steady(ends, trajs, warmup), "steps": len(recs),
           "step_end_s": ends, "reward": [r["reward"] for r in recs],
+          "response_len": [r["response_len"] for r in recs],
+          "response_len_steady": statistics.fmean(r["response_len"] for r in recs[warmup:]),
           "staleness": [r["arch_staleness_mean"] for r in recs],
           "staleness_mean": summary["arch_staleness_mean"],
           "quota_violations": summary["quota_violations"],
@@ -165,13 +178,15 @@ def run_tunix(python: str, workload: dict, off_policy_steps: int, warmup: int,
       res = json.load(f)
   quota = workload["quota"]
   violations = sum(1 for c in res["source_counts"] if c != quota)
+  lengths = res.get("response_len")  # the text side's; the agentic side has none
   return {"side": "tunix", "off_policy_steps": off_policy_steps, "load_before": load,
+          "response_len_steady": statistics.fmean(lengths[warmup:]) if lengths else None,
           "process_wall_s": wall, "steps": len(res["step_end_s"]),
           "steady_traj_per_s": steady(res["step_end_s"], res["trajectories"], warmup),
           "quota_violations": violations,
           "staleness_mean": statistics.fmean(res["staleness"]) if res["staleness"] else None,
           **{k: res[k] for k in ("step_end_s", "reward", "staleness", "source_counts",
-                                 "params", "settings", "patches") if k in res}}
+                                 "params", "settings", "patches", "response_len") if k in res}}
 
 
 def ensure_tunix_venv(venv: str) -> str:
@@ -206,10 +221,20 @@ def tunix_python(venv: str) -> str | None:
 # ------------------------------------------------------------------ pairs and the JSON
 
 def run_workload(name: str, args, tunix_py: str) -> dict:
+  """The workload's pairs as they learn; with the workload in --fixed_policy, the same
+  pairs again with the policy held at its initialisation (`fixed_policy`)."""
   bindings = (DRY[name] if args.dry_run else []) + list(args.gin_bindings or [])
+  out = run_pairs(name, bindings, args, tunix_py)
+  if name in args.fixed_policy.split(","):
+    out["fixed_policy"] = run_pairs(name, bindings + [FIXED_POLICY], args, tunix_py)
+  return out
+
+
+def run_pairs(name: str, bindings: list[str], args, tunix_py: str) -> dict:
   steps = args.steps or (3 if args.dry_run else {"text": 60, "agentic": 20}[name])
   warmup = args.warmup_steps if args.warmup_steps is not None else (1 if args.dry_run else 5)
   workload = workload_of(name, bindings, steps)
+  fixed = FIXED_POLICY in bindings
   pairs = []
   for p in range(args.pairs):
     runs = {}
@@ -218,7 +243,8 @@ def run_workload(name: str, args, tunix_py: str) -> dict:
     if p % 2:
       jobs.reverse()  # Tunix first every other pair
     for side, what in jobs:
-      desc = f"{name} pair {p + 1}/{args.pairs}: {side} {what}"
+      desc = (f"{name}{' (fixed policy)' if fixed else ''} pair {p + 1}/{args.pairs}: "
+              f"{side} {what}")
       print(f"{desc} (load {_load():.2f}) ...", file=sys.stderr, flush=True)
       if side == "ours":
         runs[("ours", what)] = run_ours(name, what, bindings, steps, warmup, args.timeout,
@@ -227,8 +253,11 @@ def run_workload(name: str, args, tunix_py: str) -> dict:
         runs[("tunix", what)] = run_tunix(tunix_py, workload, what, warmup, args.timeout,
                                           args.ours_src, args.tunix_agentic_engine)
       r = runs[(side, what)]
+      length = r["response_len_steady"]
       print(f"  {r['steady_traj_per_s']:.1f} traj/s steady, {r['process_wall_s']:.1f} s "
-            f"process, staleness {r['staleness_mean']}", file=sys.stderr, flush=True)
+            f"process, staleness {r['staleness_mean']}"
+            + (f", {length:.1f} response tokens" if length is not None else ""),
+            file=sys.stderr, flush=True)
     pair = {"runs": [runs[k] for k in sorted(runs, key=str)], "ratios": {}}
     for mode, off in PAIRS[name]:
       ours, tx = runs[("ours", mode)], runs[("tunix", off)]
@@ -236,6 +265,14 @@ def run_workload(name: str, args, tunix_py: str) -> dict:
           "ratio_steady": ours["steady_traj_per_s"] / tx["steady_traj_per_s"],
           "ratio_process_wall": tx["process_wall_s"] / ours["process_wall_s"],
           "staleness_ours": ours["staleness_mean"], "staleness_tunix": tx["staleness_mean"],
+          # Trajectories differ in length as the two policies learn differently: the
+          # mean response tokens of the steady steps say how much work a trajectory was.
+          "response_len_ours": ours["response_len_steady"],
+          "response_len_tunix": tx["response_len_steady"],
+          "ratio_steady_response_tokens": (
+              ours["steady_traj_per_s"] * ours["response_len_steady"]
+              / (tx["steady_traj_per_s"] * tx["response_len_steady"])
+              if tx["response_len_steady"] else None),
           "quota_violations_ours": ours["quota_violations"],
           "quota_violations_tunix": tx["quota_violations"],
           "tunix_off_policy_steps": off}
@@ -245,6 +282,9 @@ def run_workload(name: str, args, tunix_py: str) -> dict:
     values = [p["ratios"][mode]["ratio_steady"] for p in pairs]
     out[mode] = {"ratio_steady": statistics.median(values), "range": [min(values), max(values)],
                  "per_pair": values}
+    tokens = [p["ratios"][mode]["ratio_steady_response_tokens"] for p in pairs]
+    if None not in tokens:
+      out[mode]["ratio_steady_response_tokens"] = statistics.median(tokens)
   out["ratio_steady"] = out["disaggregated"]["ratio_steady"]
   return out
 
@@ -267,6 +307,9 @@ def main():
                  help="per_turn: Tunix's own rollout (a sampler call per turn); batched: "
                       "scripts/tunix_agentic.py's engine joining concurrent turns into one "
                       "call, which is ours, not Tunix's (a stronger peer than Tunix ships)")
+  p.add_argument("--fixed_policy", default="text",
+                 help="workloads whose pairs run again with the policy held at its "
+                      "initialisation on both sides (equal work a trajectory); '' for none")
   p.add_argument("--dry_run", action="store_true", help="toy sizes, one pair, 3 steps")
   args = p.parse_args()
   if args.dry_run:
@@ -275,6 +318,9 @@ def main():
   for name in names:
     if name not in CONFIGS:
       p.error(f"--workloads: {name!r} is not one of {sorted(CONFIGS)}")
+  for name in filter(None, args.fixed_policy.split(",")):
+    if name not in CONFIGS:
+      p.error(f"--fixed_policy: {name!r} is not one of {sorted(CONFIGS)}")
   tunix_py = ensure_tunix_venv(os.path.abspath(args.venv))
   t0 = time.perf_counter()
   out = {"machine": {"nproc": len(os.sched_getaffinity(0)), "load_at_start": _load()},
@@ -287,11 +333,13 @@ def main():
   with open(args.json, "w") as f:
     json.dump(out, f, indent=1)
   for name in names:
-    w = out[name]
-    for mode, _ in PAIRS[name]:
-      r = w[mode]
-      print(f"{name:8s} {mode:14s} ours/Tunix steady {r['ratio_steady']:.2f} "
-            f"(pairs {', '.join(f'{v:.2f}' for v in r['per_pair'])})")
+    for label, w in ((name, out[name]), (f"{name}, fixed", out[name].get("fixed_policy"))):
+      for mode, _ in PAIRS[name] if w else ():
+        r = w[mode]
+        tokens = r.get("ratio_steady_response_tokens")
+        print(f"{label:15s} {mode:14s} ours/Tunix steady {r['ratio_steady']:.2f} "
+              f"(pairs {', '.join(f'{v:.2f}' for v in r['per_pair'])})"
+              + (f", response tokens/s {tokens:.2f}" if tokens is not None else ""))
   print(f"wrote {args.json} ({out['wall_s']:.0f} s)")
 
 

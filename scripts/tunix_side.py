@@ -43,7 +43,8 @@ to train as ours does:
      embedding makes a group's samples identical).
 
 Output JSON: params, step_end_s (seconds since the learner started, after each step),
-trajectories, reward (mean per step), staleness (mean per step: the step trained
+trajectories, reward (mean per step), response_len (text: mean response tokens per step,
+the stop token counted), staleness (mean per step: the step trained
 minus the policy version at each trajectory's first token), source_counts, settings,
 patches, phases (seconds per phase, steady steps; --phases), import_s (the whole process's
 wall is measured by bench_vs_tunix.py around it).
@@ -282,13 +283,16 @@ def run_text() -> dict:
   algo.epsilon_high = W["loss"]["clip_high"]
 
   rewards: dict[int, list[float]] = {}
+  lengths: dict[int, list[int]] = {}
   sources: dict[int, dict] = {}
 
   def reward_fn(prompts, completions, group_id, source, **kwargs):
-    out = [float(tasks.score(text_task(int(g), str(s)), text_to_ids(c)))
-           for c, g, s in zip(completions, group_id, source)]
+    ids = [text_to_ids(c) for c in completions]
+    out = [float(tasks.score(text_task(int(g), str(s)), i))
+           for i, g, s in zip(ids, group_id, source)]
     step = cluster.global_steps
     rewards.setdefault(step, []).extend(out)
+    lengths.setdefault(step, []).extend(len(i) for i in ids)  # the stop token counted, as ours
     counts = sources.setdefault(step, {})
     for s in source[::N]:  # a group's n rows share their source
       counts[str(s)] = counts.get(str(s), 0) + 1
@@ -314,6 +318,7 @@ def run_text() -> dict:
   return {"params": params, "step_end_s": [t - t0 for t in ends],
           "trajectories": [len(rewards[s]) for s in order],
           "reward": [float(np.mean(rewards[s])) for s in order],
+          "response_len": [float(np.mean(lengths[s])) for s in order],
           "staleness": [0.0 for _ in order],  # on-policy: each step samples with its weights
           "source_counts": [sources[s] for s in order], "phases": phases,
           "settings": {"learner": "GRPOLearner", "rollout_engine": "vanilla",

@@ -38,6 +38,11 @@ def test_workloads_come_from_our_configs():
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: DecoderLM(cfg, nnx.Rngs(0)))
   assert sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param))) == 304256
+  # The equal-work control: the same workload, the policy held (both sides read this).
+  fixed = bench.workload_of("text", [bench.FIXED_POLICY], steps=7)
+  assert fixed["optimizer"]["learning_rate"] == 1e-9 < text["optimizer"]["learning_rate"]
+  assert {k: v for k, v in fixed.items() if k != "optimizer"} == {
+      k: v for k, v in text.items() if k != "optimizer"}
 
 
 def test_steady_rate_leaves_out_the_warm_up():
@@ -71,3 +76,11 @@ def test_dry_run_both_workloads(tmp_path):
     assert all(r["steps"] == 3 and r["load_before"] >= 0 for r in pair["runs"])
     assert runs[("ours", "disaggregated")]["quota_violations"] == 0
     assert all(r["quota_violations"] == 0 for r in tunix)
+  # Text, both sides: response lengths, the ratio in response tokens, the fixed-policy pairs.
+  text = result["text"]
+  assert all(r["response_len_steady"] > 0 for r in text["pairs"][0]["runs"])
+  assert text["disaggregated"]["ratio_steady_response_tokens"] > 0
+  fixed = text["fixed_policy"]
+  assert fixed["workload"]["optimizer"]["learning_rate"] == 1e-9
+  assert fixed["disaggregated"]["ratio_steady"] > 0 and fixed["colocated"]["ratio_steady"] > 0
+  assert "fixed_policy" not in result["agentic"]

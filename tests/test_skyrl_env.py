@@ -144,6 +144,38 @@ def test_bad_observations_name_the_field_and_value(tok):
     SkyrlEnv(Scripted(extras={"script": []}), tok).reset(TextTask("x", ("hi",)))
 
 
+class Malformed(Scripted):
+  """init and step metadata as extras say: the malformed outputs a user's env gives."""
+
+  def __init__(self, env_config=None, extras={}):
+    super().__init__(env_config, extras)
+    self.init_out, self.metadata = extras["init_out"], extras["metadata"]
+
+  def init(self, prompt):
+    return prompt if self.init_out == "prompt" else (prompt, self.init_out)
+
+  def step(self, action):
+    return {**super().step(action), "metadata": self.metadata}
+
+
+def test_malformed_init_and_step_metadata_are_named(tok):
+  messages = ({"role": "user", "content": "hi"},)
+  bare = TextTask("x", messages, {"script": [], "init_out": "prompt", "metadata": None})
+  with pytest.raises(EnvironmentError, match=r"environment 'Malformed', step 0 \(reset\): "
+                     r"init: a \(messages, metadata\) tuple expected, got \[\{'role': 'user'"):
+    skyrl_environment(Malformed, bare, tok).reset(bare)
+  listed = TextTask("x", messages, {"script": [], "init_out": ["a"], "metadata": None})
+  with pytest.raises(EnvironmentError, match=r"step 0 .*init metadata: a dict or None "
+                     r"expected, got \['a'\]"):
+    skyrl_environment(Malformed, listed, tok).reset(listed)
+  task = TextTask("x", messages, {"script": [[]], "init_out": {}, "metadata": [("k", 1)]})
+  env = skyrl_environment(Malformed, task, tok)
+  env.reset(task)
+  with pytest.raises(EnvironmentError, match=r"environment 'Malformed', step 1 \(turn\): "
+                     r"metadata: a dict or None expected, got \[\('k', 1\)\]"):
+    env.step(turn(tok, "a"))
+
+
 def test_unknown_env_id_and_missing_package(tok, monkeypatch):
   with pytest.raises(ValueError, match=r"skyrl environment 'no_such_env' is not registered; "
                      r"registered: \[.*'gsm8k_multi_turn'"):

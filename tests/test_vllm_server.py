@@ -4,7 +4,6 @@ seeds reproduce, behaviour log-probs equal the trainer's before and after a weig
 update pushed through shared memory, versions bound what produced each response, and
 a server that is not there, lacks the weight route or reports raw log-probs is a
 clear error (those against small stand-in servers: no vLLM needed)."""
-import dataclasses
 import http.server
 import json
 import os
@@ -32,13 +31,21 @@ def model(tmp_path_factory):
   return path, config, graphdef, jax.device_get(params)
 
 
+KEY_ENV = "KNITTRANS_TEST_VLLM_KEY"  # the test server's API key is in this variable
+
+
 @pytest.fixture(scope="module")
 def server(model, tmp_path_factory):
+  """The server, started as a user's usually is: with an API key."""
   pytest.importorskip("vllm")
   from knittrans_jax.testing.vllm_server import start_vllm_server
   log = str(tmp_path_factory.mktemp("server") / "vllm.log")
-  with start_vllm_server(model[0], max_model_len=256, log_path=log) as s:
-    yield s
+  os.environ[KEY_ENV] = key = os.urandom(8).hex()
+  try:
+    with start_vllm_server(model[0], max_model_len=256, log_path=log, api_key=key) as s:
+      yield s
+  finally:
+    os.environ.pop(KEY_ENV, None)
 
 
 def engine_on(url, model, params=None, **options):
@@ -57,7 +64,7 @@ def perturbed(params, seed):
 @pytest.mark.slow
 def test_server_responses_reproduce_and_log_probs_equal_the_trainers(server, model):
   _, config, graphdef, params = model
-  engine = engine_on(server.url, model)
+  engine = engine_on(server.url, model, api_key_env=KEY_ENV)
   try:
     assert engine.server_info["logprobs_mode"] == "processed_logprobs"
     first = engine.generate(requests(0, groups=2, n=3))
@@ -122,7 +129,7 @@ def test_published_weights_load_as_views_of_the_trainers_segment(server, model, 
   from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
   from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig
   _, config, graphdef, params = model
-  engine = engine_on(server.url, model)
+  engine = engine_on(server.url, model, api_key_env=KEY_ENV)
   pub = WeightPublisher(str(tmp_path), sync=WeightSyncConfig(transport="shm").resolve("local"),
                         version=0)
   try:
@@ -152,7 +159,7 @@ def test_keep_mode_salts_prefixes_with_the_version(server, model):
   """in_flight = 'keep': no reset of the requests in flight, and a request after the
   update on a prompt the old weights cached gets the new weights' log-probs exactly."""
   _, config, graphdef, params = model
-  engine = engine_on(server.url, model, in_flight="keep")
+  engine = engine_on(server.url, model, in_flight="keep", api_key_env=KEY_ENV)
   try:
     block = engine.server_info["block_size"]
     prompt = np.random.default_rng(7).integers(2, 64, block + 4).astype(np.int32)
@@ -180,6 +187,7 @@ def test_a_job_rolls_out_on_the_server(server, model, tmp_path):
   work = tmp_path / "run"
   out = finish(start(work, "JobConfig.engine = 'vllm_server'", "JobConfig.workers = 1",
                      f"VllmServerOptions.urls = ('{server.url}',)",
+                     f"VllmServerOptions.api_key_env = '{KEY_ENV}'",
                      f"JobConfig.checkpoint = '{model[0]}'", "JobConfig.mode = 'synchronous'"),
                timeout=300)
   summary = json.load(open(work / "summary.json"))
@@ -191,6 +199,24 @@ def test_a_job_rolls_out_on_the_server(server, model, tmp_path):
   assert [r["step"] - 1 for r in fresh] == [0, 2, 4]
   assert all(r["logprob_abs_diff_max"] <= 1e-4 for r in fresh), [
       r["logprob_abs_diff_max"] for r in fresh]
+
+
+@pytest.mark.slow
+def test_a_client_without_the_servers_key_is_refused_by_name(server, model, monkeypatch):
+  with pytest.raises(ServerError, match=r"answered GET /v1/models with HTTP 401(.|\n)*wants an "
+                     r"API key: put it in an environment variable and name that variable in "
+                     r"VllmServerOptions.api_key_env"):
+    engine_on(server.url, model)
+  monkeypatch.setenv("WRONG_KEY", "not-the-key")
+  with pytest.raises(ServerError, match=r"HTTP 401(.|\n)*the one in \$WRONG_KEY was refused") as e:
+    engine_on(server.url, model, api_key_env="WRONG_KEY")
+  assert "not-the-key" not in str(e.value) and os.environ[KEY_ENV] not in str(e.value)
+  monkeypatch.delenv("WRONG_KEY")
+  with pytest.raises(ValueError, match=r"api_key_env = 'WRONG_KEY': that environment variable "
+                     r"is not set"):
+    engine_on(server.url, model, api_key_env="WRONG_KEY")
+  with pytest.raises(ValueError, match=r"api_key_env = 'sk-1 2': name an environment variable"):
+    VllmServerOptions(api_key_env="sk-1 2")
 
 
 class _StandIn(http.server.BaseHTTPRequestHandler):

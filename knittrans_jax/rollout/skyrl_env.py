@@ -58,6 +58,15 @@ def checked_messages(env: str, step: int, field: str, messages) -> list[dict[str
   return out
 
 
+def checked_metadata(env: str, step: int, field: str, value) -> dict[str, Any]:
+  """An env's metadata as a dict (None: empty), or an EnvironmentError naming it."""
+  if value is None:
+    return {}
+  if not isinstance(value, Mapping):
+    raise EnvironmentError(env, step, f"{field}: a dict or None expected, got {value!r}"[:400])
+  return dict(value)
+
+
 class SkyrlEnv(Environment):
   """One skyrl-gym `BaseTextEnv` instance (anything with `init`, `step`, `close`) and the
   policy's tokenizer. `template_vars` go to the chat template (e.g. enable_thinking)."""
@@ -82,9 +91,15 @@ class SkyrlEnv(Environment):
 
   def reset(self, task: TextTask) -> np.ndarray:
     prompt = checked_messages(self.name, 0, "task.messages", task.messages)
-    messages, metadata = self.env.init(prompt)
+    out = self.env.init(prompt)
+    # skyrl's contract: a (messages, metadata) tuple; a bare message list would unpack
+    # into two messages, or fail as an unrelated Python error.
+    if not (isinstance(out, tuple) and len(out) == 2):
+      raise EnvironmentError(self.name, 0, "init: a (messages, metadata) tuple expected, got "
+                             f"{out!r}"[:400])
+    messages, metadata = out
     self._messages = checked_messages(self.name, 0, "init messages", messages)
-    self.init_metadata = dict(metadata or {})
+    self.init_metadata = checked_metadata(self.name, 0, "init metadata", metadata)
     self._turn = 0
     self._text = self._render(self._messages, True)
     return np.asarray(self.tok.encode(self._text), np.int32)
@@ -102,7 +117,7 @@ class SkyrlEnv(Environment):
                              f"and done expected, got {out!r}")
     observations = checked_messages(self.name, self._turn, "observations",
                                      out["observations"])
-    info = dict(out.get("metadata") or {})
+    info = checked_metadata(self.name, self._turn, "metadata", out.get("metadata"))
     if out.get("postprocessed_action") is not None:
       # skyrl's own generator re-tokenizes the edited action; here the sampled ids
       # stay in the context (they are what the policy generated), so it is only noted.

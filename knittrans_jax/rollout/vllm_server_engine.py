@@ -68,7 +68,12 @@ class VllmServerOptions:
   bytes; its load casts anything else); in_flight: what an update does to requests in
   flight (vllm_engine.IN_FLIGHT_MODES); concurrency: requests in flight per engine;
   timeout_s: one HTTP call's (a response, a weight load); max_model_len: the longest
-  sequence the engine sends (the job sets it), which the server's must hold."""
+  sequence the engine sends (the job sets it), which the server's must hold;
+  api_key_env: the name of the environment variable that holds the server's API key
+  (a server started with --api-key or VLLM_API_KEY), read when the engine starts and
+  sent as a bearer token; the key itself never goes in a config or a log. vLLM checks
+  the key on its /v1 routes only: the dev-mode weight routes stay open, so a server
+  should listen on loopback or a private network (docs/rollout.md)."""
   urls: tuple[str, ...] = ()
   model: str | None = None
   dtype: str = "float32"
@@ -76,9 +81,14 @@ class VllmServerOptions:
   concurrency: int = 64
   timeout_s: float = 600.0
   max_model_len: int | None = None
+  api_key_env: str | None = None
 
   def __post_init__(self):
     object.__setattr__(self, "urls", tuple(self.urls))
+    if self.api_key_env is not None and not (isinstance(self.api_key_env, str)
+                                             and self.api_key_env.isidentifier()):
+      raise ValueError(f"VllmServerOptions.api_key_env = {self.api_key_env!r}: name an "
+                       "environment variable (e.g. 'VLLM_API_KEY'), not the key")
     if self.in_flight not in IN_FLIGHT_MODES:
       raise ValueError(f"VllmServerOptions.in_flight = {self.in_flight!r}: one of "
                        f"{sorted(IN_FLIGHT_MODES)}")
@@ -96,6 +106,16 @@ class VllmServerOptions:
                        "per worker: JobConfig.workers <= len(urls))")
     return self.urls[worker]
 
+  def api_key(self) -> str | None:
+    """The key from the environment variable `api_key_env` names (None: no key)."""
+    if self.api_key_env is None:
+      return None
+    key = os.environ.get(self.api_key_env)
+    if not key:
+      raise ValueError(f"VllmServerOptions.api_key_env = {self.api_key_env!r}: that environment "
+                       "variable is not set (or empty) in the rollout worker's environment")
+    return key
+
 
 class ServerError(RuntimeError):
   """A vLLM server that is not there, answers an error, or lacks what the engine needs."""
@@ -104,10 +124,12 @@ class ServerError(RuntimeError):
 class _Client:
   """HTTP/1.1 calls to one server, one persistent connection per calling thread."""
 
-  def __init__(self, url: str, timeout_s: float):
+  def __init__(self, url: str, timeout_s: float, api_key: str | None = None,
+               api_key_env: str | None = None):
     u = urllib.parse.urlparse(url)
     self.url, self.host, self.port = url.rstrip("/"), u.hostname, u.port or 80
-    self.timeout_s = timeout_s
+    self.timeout_s, self.api_key_env = timeout_s, api_key_env
+    self._auth = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
     self._local = threading.local()
 
   def call(self, method: str, route: str, body: dict | None = None, timeout_s=None):
@@ -120,8 +142,8 @@ class _Client:
         conn = self._local.conn = http.client.HTTPConnection(
             self.host, self.port, timeout=timeout_s or self.timeout_s)
       try:
-        conn.request(method, route, body=data,
-                     headers={"Content-Type": "application/json"} if data else {})
+        headers = dict(self._auth, **({"Content-Type": "application/json"} if data else {}))
+        conn.request(method, route, body=data, headers=headers)
         resp = conn.getresponse()
         text = resp.read()
         break
@@ -134,11 +156,20 @@ class _Client:
     if resp.status >= 400:
       try:
         msg = json.loads(text)
-        msg = msg.get("error", {}).get("message") or msg.get("detail") or msg
+        # {"error": {"message": ...}}, {"detail": ...} or {"error": "Unauthorized"} (401)
+        err = msg.get("error") if isinstance(msg, dict) else None
+        msg = ((err.get("message") if isinstance(err, dict) else err)
+               or (msg.get("detail") if isinstance(msg, dict) else None) or msg)
       except ValueError:
         msg = text[:500].decode(errors="replace")
+      hint = ""
+      if resp.status == 401:  # the key's name only, never the key
+        hint = ("\nThe server wants an API key: " + (
+            f"the one in ${self.api_key_env} was refused" if self.api_key_env else
+            "put it in an environment variable and name that variable in "
+            "VllmServerOptions.api_key_env"))
       raise ServerError(f"the vLLM server at {self.url} answered {method} {route} with "
-                        f"HTTP {resp.status}: {msg}")
+                        f"HTTP {resp.status}: {msg}{hint}")
     return json.loads(text) if text else None
 
   def close(self) -> None:
@@ -158,7 +189,8 @@ class VllmServerEngine(RolloutEngine):
       raise ValueError("SamplerConfig.greedy with the 'vllm_server' engine: greedy decoding "
                        "(held-out evaluation) runs on the JAX sampler")
     self.spec, self.options, self.version = spec, opts, version
-    self.client = _Client(opts.url_for(spec.index), opts.timeout_s)
+    self.client = _Client(opts.url_for(spec.index), opts.timeout_s, opts.api_key(),
+                          opts.api_key_env)
     self.model = opts.model or self._served_model()
     self._check_server()
     self._lock = threading.Lock()

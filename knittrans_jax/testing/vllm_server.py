@@ -78,15 +78,19 @@ def server_command(model_dir: str, host: str, port: int, max_model_len: int,
 
 def start_vllm_server(model_dir: str, max_model_len: int = 256, host: str = "127.0.0.1",
                       timeout_s: float = 300.0, log_path: str | None = None,
-                      **flags) -> VllmServer:
+                      api_key: str | None = None, **flags) -> VllmServer:
   """Starts a server on `model_dir` (a Hugging Face checkpoint directory) and waits for
-  it to answer; `flags`: server_command's."""
+  it to answer; `flags`: server_command's. `api_key`: the key its /v1 routes want (in
+  the server's environment, VLLM_API_KEY, not on its command line)."""
   port = _free_port(host)
   if log_path is None:
     fd, log_path = tempfile.mkstemp(prefix="vllm_server_", suffix=".log")
     os.close(fd)
   env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_LOGGING_LEVEL="WARNING")
   env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+  env.pop("VLLM_API_KEY", None)
+  if api_key is not None:
+    env["VLLM_API_KEY"] = api_key
   with open(log_path, "w") as log:
     proc = subprocess.Popen(server_command(model_dir, host, port, max_model_len, **flags),
                             stdout=log, stderr=subprocess.STDOUT, env=env,
