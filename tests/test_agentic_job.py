@@ -97,7 +97,7 @@ def test_agentic_job_trains_episodes_and_replaces_failed_groups(tmp_path):
   # learning rate of 5e-2 the check failed in 2 of 8 clean-clone suites (2026-12-06/07;
   # halves 0.071 -> 0.066 in the second). Beside a load of XLA tests, 2026-12-07, the
   # halves gained 0.021-0.049 at 30 steps (6 runs, 5e-2 and 3e-2), and at 50 steps 0.055
-  # and 0.057 at 5e-2, 0.075 and 0.087 at 3e-2 (docs/status.md, "Tests").
+  # and 0.057 at 5e-2, 0.075 and 0.087 at 3e-2 (docs/results/2026-12-07-tests.md).
   rewards = [r["reward"] for r in recs]
   assert np.mean(rewards[STEPS // 2:]) > np.mean(rewards[:STEPS // 2]), rewards
   # trace.json: each finished group's generation time and each step's time, which the

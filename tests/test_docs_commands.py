@@ -41,7 +41,8 @@ import pytest
 from knittrans_jax import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md"))]
+DOCS = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/*.md")),
+        *sorted(os.path.relpath(p, ROOT) for p in glob.glob(f"{ROOT}/docs/results/*.md"))]
 PROGRAMS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(make|python3?|\.venv/bin/python|pytest|ray|scripts/\S+\.py)\s")
 
 
@@ -120,7 +121,7 @@ COVER: dict[str, Cover] = {
         Cover("check", toy="tests/test_bench_scripts.py (configs/sim/tiny.gin)"),
     ".venv/bin/python scripts/reproduce_figures.py --quick --out /tmp/figs":
         Cover("parse", toy="tests/test_bench_scripts.py (--only staleness)"),
-    # docs/status.md (moved from the README)
+    # docs/results/2026-12-07-*.md (docs/status.md's figures, moved from the README before)
     "make install-vllm": Cover("make"),
     "make install-ray": Cover("make"),
     ".venv/bin/python scripts/bench_rollout.py --json runs/bench_rollout.json": Cover("check"),

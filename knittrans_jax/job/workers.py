@@ -31,7 +31,7 @@ MAX_COLD_DEATHS = 3  # deaths in a row before a worker's first group: it cannot 
 
 # What a rollout worker imports (rollout/worker.worker_main), imported once by the fork
 # server instead of by every worker: a spawned worker spends some 2-3 s of CPU on
-# these imports, paid again by its twin and by every restart (docs/status.md, "Tests").
+# these imports, paid again by its twin and by every restart (docs/results/2026-12-07-tests.md).
 _PRELOAD = ["knittrans_jax.rollout.worker", "knittrans_jax.rollout.engines",
             "knittrans_jax.rollout.agent_loop", "knittrans_jax.rollout.groups",
             "knittrans_jax.rollout.weights", "knittrans_jax.models.vlm", "knittrans_jax.storage"]
