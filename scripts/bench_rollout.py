@@ -79,7 +79,8 @@ from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
 from knittrans_jax.rollout.engine import EngineSpec
 from knittrans_jax.rollout.engines import make_engine
-from knittrans_jax.rollout.agent_loop import FailedGroup
+from knittrans_jax.rollout.agent_loop import AgentConfig, FailedGroup
+from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
 from knittrans_jax.rollout.groups import AgentSource, Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
@@ -283,7 +284,8 @@ def main():
     gin.clear_config()
     return
   n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources(job.suite))
-  suite = Suite("agentic", agent=AgentSource.configured()) if agentic else None
+  suite = (Suite("agentic", agent=AgentSource(AgenticTaskConfig(), AgentConfig())) if agentic
+           else None)
   if args.checkpoint:
     from knittrans_jax.models import hf
     model, model_cfg = hf.load(args.checkpoint)

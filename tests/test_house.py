@@ -32,3 +32,56 @@ def test_results_pages_are_dated():
   for p in pages:
     name = os.path.basename(p)
     assert name[:4].isdigit() and name[4] == "-" and name[7] == "-" and name[10] == "-", name
+
+
+# Where a gin-configured class may still be built from gin below the root, each with
+# why (issue 62 shrinks this list; a new site fails the test). The root: launch.py
+# (the job), cli.py (the scripts' --check_args) and job/setup.py's job_setup.
+ROOTS = {"knittrans_jax/launch.py", "knittrans_jax/cli.py", "knittrans_jax/job/setup.py"}
+NOT_YET = {
+    ("knittrans_jax/cluster/trainer_actors.py", "JobConfig"): "a Ray actor's own process "
+    "re-parses the gin config it is sent; next: send it the root's JobSetup",
+    ("knittrans_jax/job/replay.py", "JobConfig"): "replay() is its scripts' entry point; "
+    "next: take the caller's JobSetup",
+    ("knittrans_jax/mesh.py", "MeshConfig"): "the checkpoint loaders' mesh when a caller "
+    "(a script, a test) gives none",
+    ("knittrans_jax/multimodal/encode_once.py", "EncodeOnceConfig"): "EncodeOnceStep "
+    "without a config (tests, benchmarks); the job passes JobSetup.encode_once",
+    ("knittrans_jax/rollout/vllm_engine.py", "VllmOptions"): "an engine spec without "
+    "options (tests); the job passes the root's (JobSetup.engine_options)",
+    ("knittrans_jax/rollout/vllm_server_engine.py", "VllmServerOptions"): "likewise",
+    # Not below the root: a config's nested default, built when the root builds it.
+    ("knittrans_jax/job/config.py", "TrainBatchSpec"): "JobConfig's spec when unbound",
+    ("knittrans_jax/sim/config.py", "TrainBatchSpec"): "SimConfig's spec when unbound",
+}
+
+
+def _gin_classes() -> set[str]:
+  import ast
+  names = set()
+  for path in glob.glob(os.path.join(ROOT, "knittrans_jax", "**", "*.py"), recursive=True):
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.ClassDef) and any("gin.configurable" in ast.unparse(d)
+                                                for d in node.decorator_list):
+        names.add(node.name)
+  return names
+
+
+def test_gin_configs_are_built_at_the_root():
+  """A gin-configured class called with no arguments takes gin's bindings: only the
+  root does that; everything below takes the configs it is given. Defaults evaluated
+  at import (a signature's or a field's default) are calls too, and fail here."""
+  import ast
+  gin_classes = _gin_classes()
+  assert {"JobConfig", "CheckpointConfig", "MeshConfig", "AgentConfig"} <= gin_classes
+  found = set()
+  for path in glob.glob(os.path.join(ROOT, "knittrans_jax", "**", "*.py"), recursive=True):
+    rel = os.path.relpath(path, ROOT)
+    for node in ast.walk(ast.parse(open(path).read())):
+      if isinstance(node, ast.Call) and not node.args and not node.keywords:
+        f = node.func
+        name = f.id if isinstance(f, ast.Name) else getattr(f, "attr", None)
+        if name in gin_classes and rel not in ROOTS:
+          found.add((rel, name))
+  assert found - set(NOT_YET) == set(), "built from gin below the root"
+  assert set(NOT_YET) - found == set(), "gone: take it off NOT_YET"

@@ -21,6 +21,13 @@ from knittrans_jax.storage import TrajectoryStore
 pytestmark = pytest.mark.slow
 
 
+def _setup():
+  """The run's set-up from the parsed gin config, built as launch.py builds it."""
+  from knittrans_jax.job.config import JobConfig
+  from knittrans_jax.job.setup import job_setup
+  return job_setup(JobConfig())
+
+
 def trained_groups(workdir):
   store = TrajectoryStore.open("file://" + os.path.join(os.path.abspath(workdir), "store"))
   by_group = collections.defaultdict(list)
@@ -118,18 +125,18 @@ def test_failures_around_a_step_then_resume_keep_train_batches_whole(tmp_path, m
   monkeypatch.setattr(StepPlanner, "__call__", plan_fails)
   _parse(work, *bindings)
   with pytest.raises(RuntimeError, match="admitting ahead"):
-    build_local(str(work)).run()
+    build_local(_setup(), str(work)).run()
   assert keys() == [(0, 0), (0, 1), (1, 0)]  # the applied step was recorded
   assert (work / "operative_config.gin").exists()  # written at set-up, before the failure
   monkeypatch.setattr(StepPlanner, "__call__", real_plan)
   monkeypatch.setattr(Trainer, "step", step_fails)
   _parse(work, *bindings)
   with pytest.raises(RuntimeError, match="inside a step"):
-    build_local(str(work), resume=True).run()
+    build_local(_setup(), str(work), resume=True).run()
   assert stepped == [(1, 1), (2, 0)] and keys() == [(0, 0), (0, 1), (1, 0), (1, 1)]
   monkeypatch.setattr(Trainer, "step", real_step)
   _parse(work, *bindings)
-  assert build_local(str(work), resume=True).run()["steps"] == 8
+  assert build_local(_setup(), str(work), resume=True).run()["steps"] == 8
   check_trained(work, 8)
   assert keys() == [(k, j) for k in range(4) for j in range(2)]
 
@@ -139,7 +146,7 @@ def test_sampler_and_loss_temperatures_must_agree(tmp_path):
   _parse(tmp_path / "run", "LossConfig.temperature = 0.7")
   with pytest.raises(ValueError, match=r"LossConfig.temperature = 0.7 differs from "
                                        r"SamplerConfig.temperature = 1.0"):
-    build_local(str(tmp_path / "run"))
+    build_local(_setup(), str(tmp_path / "run"))
   assert not (tmp_path / "run" / "store").exists()  # refused before anything was created
 
 

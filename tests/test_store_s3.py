@@ -23,6 +23,13 @@ from knittrans_jax.testing.s3_server import start_s3_server
 BUCKET, SEED, N = "knittrans-test", 5, 4
 
 
+def _setup():
+  """The run's set-up from the parsed gin config, built as launch.py builds it."""
+  from knittrans_jax.job.config import JobConfig
+  from knittrans_jax.job.setup import job_setup
+  return job_setup(JobConfig())
+
+
 @pytest.fixture(scope="module")
 def s3():
   with start_s3_server() as server, pytest.MonkeyPatch.context() as mp:
@@ -173,7 +180,7 @@ def test_a_new_run_refuses_a_store_url_that_holds_a_previous_run(s3_url, tmp_pat
   gin_cli.parse(argparse.Namespace(gin_file=["configs/text_grpo_test.gin"], workdir=str(work),
                                    gin_bindings=[f"JobConfig.store_url = '{s3_url}'"]))
   with pytest.raises(ValueError, match="holds a previous run's store: pass --resume"):
-    build_local(str(work))
+    build_local(_setup(), str(work))
 
 
 def test_a_commit_marker_write_with_a_lost_answer_is_resolved_from_the_store(monkeypatch):

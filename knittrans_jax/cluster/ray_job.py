@@ -21,11 +21,10 @@ from knittrans_jax.cluster.ray_setup import RayConfig, connect
 from knittrans_jax.cluster.rollout_actors import RayWorkerPool
 from knittrans_jax.cluster.trainer_actors import RayTrainerGroup
 from knittrans_jax.job.build_trainer import make_model_fn
-from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.driver import Driver, write_summary
 from knittrans_jax.job.roles import TrainerLost
-from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, job_setup,
-                                     make_evaluator, store_url, worker_args)
+from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, make_evaluator,
+                                     store_url, worker_args)
 
 
 def _policy_shapes(setup: JobSetup):
@@ -36,14 +35,13 @@ def _policy_shapes(setup: JobSetup):
   return nnx.split(model, nnx.Param)
 
 
-def _attempt(workdir: str, resume: bool, cfg: RayConfig) -> dict:
-  job = JobConfig()
+def _attempt(setup: JobSetup, workdir: str, resume: bool, cfg: RayConfig) -> dict:
+  job = setup.cfg
   if job.mode == "colocated":
     raise ValueError("JobConfig.mode = 'colocated' with JobConfig.cluster = 'ray': the "
                      "colocated reference generates in the trainer's process; run it "
                      "locally (mode 'synchronous' is its schedule on Ray's workers)")
   consumers = job.consumers_for(cfg.trainers)
-  setup = job_setup(job)
   check_new_run(workdir, job, resume)
   url = store_url(workdir, job)
   store = create_store(setup, url)  # before the trainer actors open it
@@ -63,17 +61,18 @@ def _attempt(workdir: str, resume: bool, cfg: RayConfig) -> dict:
       estimate=driver.dispatch.estimate))
 
 
-def run_on_ray(workdir: str, resume: bool = False, log=print) -> dict:
+def run_on_ray(setup: JobSetup, cfg: RayConfig, workdir: str, resume: bool = False,
+               log=print) -> dict:
+  """The run on Ray; `setup` and `cfg`: the root's (launch.py), built once from gin."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  cfg = RayConfig()
   t0 = time.perf_counter()
   started = connect(cfg, workdir, log=log)
   lost = []
   try:
     for attempt in range(cfg.trainer_restarts + 1):
       try:
-        summary = _attempt(workdir, resume or attempt > 0, cfg)
+        summary = _attempt(setup, workdir, resume or attempt > 0, cfg)
       except TrainerLost as e:
         lost.append(str(e))
         if attempt == cfg.trainer_restarts:

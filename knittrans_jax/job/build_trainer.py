@@ -19,15 +19,15 @@ from knittrans_jax.job.setup import JobSetup, checkpoint_dir, pack_layout, prefi
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
 from knittrans_jax.models import hf, qwen_vl
 from knittrans_jax.models.vlm import make_model
-from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, PrefixImages,
-                                      QwenVLImages, check_deterministic, naive_qwen_forward,
+from knittrans_jax.multimodal import (EncodeOnceStep, PrefixImages, QwenVLImages,
+                                      check_deterministic, naive_qwen_forward,
                                       naive_vlm_forward)
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.storage.quarantine import QuarantiningReader
-from knittrans_jax.mesh import MeshConfig, logical_sharding, make_mesh
-from knittrans_jax.train import (CheckpointConfig, Checkpointer, OptimizerConfig, StepFunctions,
-                                 abstract_state, init_train_state, make_optimizer)
+from knittrans_jax.mesh import logical_sharding, make_mesh
+from knittrans_jax.train import (Checkpointer, StepFunctions, abstract_state, init_train_state,
+                                 make_optimizer)
 from knittrans_jax.train.batch import rows_multiple as mesh_rows_multiple
 from knittrans_jax.train.step import text_forward
 
@@ -69,10 +69,9 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
   elif vision and qwen is None and setup.vision.vit.dropout:
     raise ValueError(f"ViTConfig.dropout = {setup.vision.vit.dropout}: the trainer keeps no "
                      "dropout rng state; set it to 0")
-  ckpt = Checkpointer(checkpoint_dir(workdir), CheckpointConfig())
-  mesh_cfg = MeshConfig()
-  mesh, rules = make_mesh(mesh_cfg), mesh_cfg.rules
-  tx = make_optimizer(OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches))
+  ckpt = Checkpointer(checkpoint_dir(workdir), setup.checkpoint)
+  mesh, rules = make_mesh(setup.mesh), setup.mesh.rules
+  tx = make_optimizer(setup.optimizer)
   params = None
   if cfg.checkpoint and not (resume and ckpt.latest_step() is not None):
     m = setup.model
@@ -120,7 +119,7 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
           if cfg.data_path == "ondemand" else Centralized(local_driver(store)))
   trainer = Trainer(
       fns, state, data, layout, range(p * per_process, (p + 1) * per_process),
-      encode_once=EncodeOnceStep(fns, EncodeOnceConfig(), path=path) if encode_once else None,
+      encode_once=EncodeOnceStep(fns, setup.encode_once, path=path) if encode_once else None,
       vision=vision, version=version, quarantine=quarantine, checkpointer=ckpt,
       publisher=WeightPublisher(workdir, process=p, version=version, sync=sync,
                                 dtype=setup.weights.wire_dtype(setup.model)),

@@ -2,7 +2,7 @@
 trainer; rollout workers are its child processes (job/workers.py), or, in mode
 'colocated', the trainer's own process generates with its current weights.
 
-    summary = run_local(workdir, resume)
+    summary = run_local(setup, workdir, resume)   # setup: the root's (launch.py)
 
 The loop is job/driver.py's, the same a Ray run drives (cluster/ray_job.py).
 """
@@ -15,12 +15,11 @@ import socket
 import jax
 
 from knittrans_jax.job.build_trainer import BuiltTrainer, Placement, make_trainer
-from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.driver import Driver
 from knittrans_jax.job.local_trainer import LocalTrainer
 from knittrans_jax.job.roles import RolloutPool
-from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, job_setup,
-                                     make_evaluator, store_url, worker_args)
+from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, make_evaluator,
+                                     store_url, worker_args)
 from knittrans_jax.job.workers import ColocatedPool, WorkerPool, prestart
 from knittrans_jax.rollout.groups import rollout_groups
 
@@ -50,18 +49,17 @@ class LocalRun:
                       worker_args=worker_args(self.setup), store=store)
 
 
-def build_local(workdir: str, resume: bool = False) -> LocalRun:
-  """Set-up of a local run, before any worker starts: configs checked, the store
-  created, the trainer built (and restored on resume)."""
+def build_local(setup: JobSetup, workdir: str, resume: bool = False) -> LocalRun:
+  """Set-up of a local run, before any worker starts (`setup`: the root's, launch.py):
+  configs checked, the store created, the trainer built (and restored on resume)."""
   workdir = os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
-  cfg = JobConfig()
+  cfg = setup.cfg
   if jax.process_count() > 1:
     raise ValueError(f"{jax.process_count()} JAX processes: several trainer processes run as "
                      "Ray actors (JobConfig.cluster = 'ray', RayConfig.trainers; "
                      "docs/distributed.md)")
   consumers = cfg.consumers_for(1)
-  setup = job_setup(cfg)
   check_new_run(workdir, cfg, resume)
   url = store_url(workdir, cfg)
   store = create_store(setup, url)
@@ -75,5 +73,5 @@ def build_local(workdir: str, resume: bool = False) -> LocalRun:
   return LocalRun(driver, setup, url, built)
 
 
-def run_local(workdir: str, resume: bool = False) -> dict:
-  return build_local(workdir, resume).run()
+def run_local(setup: JobSetup, workdir: str, resume: bool = False) -> dict:
+  return build_local(setup, workdir, resume).run()

@@ -24,11 +24,15 @@ from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.evaluation import EvalConfig, Evaluator
 from knittrans_jax.job.work import StepPlanner, encode_once_slots
+from knittrans_jax.mesh import MeshConfig
 from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
+from knittrans_jax.multimodal.encode_once import EncodeOnceConfig
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout import tasks
 from knittrans_jax.rollout.groups import AgentSource, MathSource, suite_prompt_len, suite_sources
+from knittrans_jax.rollout.agent_loop import AgentConfig
+from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
 from knittrans_jax.rollout.math_tasks import MathTaskConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
 from knittrans_jax.rollout.sampler import SamplerConfig
@@ -36,6 +40,7 @@ from knittrans_jax.rollout.weights import WeightSyncConfig
 from knittrans_jax.rollout.worker import WorkerArgs
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.train import CheckpointConfig, Checkpointer
+from knittrans_jax.train.optimizer import OptimizerConfig
 
 
 def model_config(cfg: JobConfig) -> DecoderConfig:
@@ -66,7 +71,9 @@ def vision_spec(cfg: JobConfig) -> VisionSpec | None:
 @dataclasses.dataclass(frozen=True)
 class JobSetup:
   """What a run's config derives, once: the policy's model, sampler and loss, its
-  tasks (sources, prompt length) and, for vLLM, the engine options."""
+  tasks (sources, prompt length), every other part's config as gin binds it (built
+  here and nowhere below: checkpoints, mesh, optimizer, evaluation, the encode-once
+  step, weight sync) and, for vLLM, the engine options."""
   cfg: JobConfig
   model: DecoderConfig
   sampler: SamplerConfig
@@ -77,9 +84,14 @@ class JobSetup:
   sources: tuple[str, ...]  # the suite's
   trained_sources: tuple[str, ...]  # the quota's, or the whole suite without one
   prompt_len: int
+  checkpoint: CheckpointConfig
+  mesh: MeshConfig
+  optimizer: OptimizerConfig  # total_steps set from the run's length
+  evaluation: EvalConfig
+  encode_once: EncodeOnceConfig
+  weights: WeightSyncConfig  # how weights travel
   engine_options: object | None = None  # VllmOptions / VllmServerOptions (the vLLM engines)
   agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
-  weights: WeightSyncConfig = WeightSyncConfig(transport="files")  # how weights travel
 
   @property
   def max_sequence_len(self) -> int:
@@ -113,13 +125,16 @@ def job_setup(cfg: JobConfig) -> JobSetup:
   qwen = QwenVisionTasks.of(vision)
   sources = suite_sources(cfg.suite, math)
   quota = cfg.spec.source_quota
-  agent = AgentSource.configured() if cfg.suite == "agentic" else None
+  agent = (AgentSource(AgenticTaskConfig(), AgentConfig()) if cfg.suite == "agentic"
+           else None)
   setup = JobSetup(
       cfg=cfg, model=model_config(cfg), sampler=sampler, loss=LossConfig(), vision=vision,
       qwen=qwen, math=math, sources=sources,
       trained_sources=tuple(quota) if quota else sources,
       prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math),
-      agent=agent, weights=WeightSyncConfig())
+      agent=agent, weights=WeightSyncConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig(),
+      optimizer=OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches),
+      evaluation=EvalConfig(), encode_once=EncodeOnceConfig())
   setup.weights.resolve(cfg.cluster)  # a transport the cluster cannot serve fails here
   _check_model_and_tasks(setup)
   if cfg.engine == "vllm":
@@ -201,7 +216,7 @@ def check_new_run(workdir: str, cfg: JobConfig, resume: bool) -> None:
   """A fresh run (no --resume) must not write into a previous run's work dir or store."""
   if resume:
     return
-  ckpt = Checkpointer(checkpoint_dir(workdir), CheckpointConfig())
+  ckpt = Checkpointer(checkpoint_dir(workdir))  # read only
   try:
     previous = ckpt.latest_step() is not None
   finally:
@@ -280,7 +295,7 @@ def make_admission(setup: JobSetup):
 
 def make_evaluator(setup: JobSetup, graphdef) -> Evaluator | None:
   """Held-out evaluation (EvalConfig), or None when it is off."""
-  eval_cfg = EvalConfig()
+  eval_cfg = setup.evaluation
   if not eval_cfg.every_steps:
     return None
   if setup.qwen is not None:

@@ -70,7 +70,9 @@ class AgenticTaskConfig:
   raises; hangs for hang_s, past AgentConfig.step_timeout_s; answers a token outside
   the vocabulary): the job's fault tests; never in held-out evaluation."""
   turn_tail: float = 1.5
-  latency: ToolLatency = ToolLatency()
+  # Built with the config (at the root), so ToolLatency's gin bindings apply without
+  # `AgenticTaskConfig.latency = @ToolLatency()`; a default built at import ignored them.
+  latency: ToolLatency = dataclasses.field(default_factory=ToolLatency)
   fault_rate: float = 0.0
   hang_s: float = 30.0
 

@@ -47,14 +47,9 @@ class MathSource:
 class AgentSource:
   """What a process needs to run the agentic suite (picklable, sent to workers): the
   tasks' config (turn tail, tool latency) and the agent loop's (turns, token budget,
-  step timeout)."""
-  tasks: agentic_tasks.AgenticTaskConfig = agentic_tasks.AgenticTaskConfig()
-  loop: AgentConfig = AgentConfig()
-
-  @classmethod
-  def configured(cls) -> "AgentSource":
-    """Both configs as gin binds them (the job's set-up, the rollout benchmark)."""
-    return cls(agentic_tasks.AgenticTaskConfig(), AgentConfig())
+  step timeout), both as the root binds them (job/setup.py's job_setup)."""
+  tasks: agentic_tasks.AgenticTaskConfig
+  loop: AgentConfig
 
 
 def suite_sources(suite: str, math: MathSource | None = None) -> tuple[str, ...]:
@@ -96,7 +91,10 @@ def task_for(seed: int, group_id: int, source: str, suite: str = "text", image_s
       if split.held_out(source, task.prompt, task.image) == want:
         return task
     elif suite == "agentic":
-      task = agentic_tasks.make_task(rng, source, (agent or AgentSource()).tasks)
+      if agent is None:
+        raise ValueError("the 'agentic' suite's held-out tasks need its AgentSource (the run's "
+                         "AgenticTaskConfig: JobSetup.agent)")
+      task = agentic_tasks.make_task(rng, source, agent.tasks)
       if agentic_tasks.held_out(task) == want:
         return task
     else:
@@ -129,7 +127,8 @@ class Suite:
   def __post_init__(self):
     _check(self.name, self.math)
     if self.name == "agentic" and self.agent is None:
-      object.__setattr__(self, "agent", AgentSource())
+      raise ValueError("task suite 'agentic' needs its AgentSource (built by the run's set-up, "
+                       "job/setup.py: the tasks' and the agent loop's configs)")
     if self.name != "agentic" and self.agent is not None:
       raise ValueError(f"task suite {self.name!r} with an AgentSource: only the 'agentic' suite "
                        "runs episodes")

@@ -35,11 +35,14 @@ class CheckpointConfig:
 
 class Checkpointer:
 
-  def __init__(self, directory: str, config: CheckpointConfig = CheckpointConfig()):
+  def __init__(self, directory: str, config: CheckpointConfig | None = None):
+    """`config`: the run's saving cadence (JobSetup.checkpoint); None opens the
+    directory to read (restore, latest step) and never saves or deletes."""
     self.directory = os.path.abspath(directory)  # orbax needs an absolute path
-    options = ocp.CheckpointManagerOptions(
-        save_interval_steps=config.every_steps, max_to_keep=config.keep,
-        enable_async_checkpointing=config.async_save)
+    options = (ocp.CheckpointManagerOptions(read_only=True) if config is None else
+               ocp.CheckpointManagerOptions(
+                   save_interval_steps=config.every_steps, max_to_keep=config.keep,
+                   enable_async_checkpointing=config.async_save))
     self._manager = ocp.CheckpointManager(self.directory, options=options,
                                           item_names=("state", "progress"))
     # Steps saved by this process, and the one found on disk (a resumed run's).
