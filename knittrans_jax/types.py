@@ -66,12 +66,11 @@ class TrajMeta:
   version_last: int
   reward: float
   image_ids: tuple[str, ...] = ()
-  # Response tokens with loss mask 1 (storage format 4); None: every response token
-  # (units of older formats, which did not count them).
+  # Response tokens with loss mask 1 (the store counts them); None: every response
+  # token (metadata made without a store).
   loss_tokens: int | None = None
-  # Storage format 5: an episode's turns (empty: a single generation, or an older
-  # format) and the seconds it spent generating and in its environment (microsecond
-  # resolution; 0 where not timed or not stored).
+  # An episode's turns (empty: a single generation) and the seconds it spent
+  # generating and in its environment (microsecond resolution; 0 where not timed).
   turns: tuple[TurnSpan, ...] = ()
   gen_seconds: float = 0.0
   env_seconds: float = 0.0

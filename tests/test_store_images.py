@@ -1,5 +1,5 @@
 """The image table: one hash per image, checked on every read; the per-trajectory
-(no-dedup) layout; units of older formats."""
+(no-dedup) layout; units of older formats refused by name."""
 import dataclasses
 import hashlib
 import json
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import tensorstore as ts
 import xxhash
-from store_helpers import SOURCES, check_payload, group
+from store_helpers import SOURCES, group
 
 from knittrans_jax.storage import (CorruptUnitError, Image, StoreSchema,
                                    TrajectoryStore, TrajectoryValidationError, image_id)
@@ -231,21 +231,6 @@ def test_a_store_json_without_dedup_images_opens_with_dedup(tmp_path):
   TrajectoryStore.create(store.url, _schema())  # the same schema: no mismatch
 
 
-def test_an_empty_unit_of_format_3_is_continued_in_this_format(tmp_path):
-  """A unit whose marker says format 3 and holds nothing is written in format 4."""
-  url = f"file://{tmp_path}/s"
-  store = TrajectoryStore.create(url, _schema())
-  store.writer("empty")
-  commit = ts.open(L.unit_arrays(L.join(url, "empty"), store.schema)["commit"]).result()
-  commit.write(np.array([3] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
-  w = TrajectoryStore.open(url).writer("empty")
-  assert w.commit.format == 3 and w.commit.rows == 0
-  w.append(group(SEED, 7, 2))
-  reader = TrajectoryStore.open(url).reader("empty")
-  assert reader.commit().format == L.FORMAT_VERSION
-  check_payload(TrajectoryStore.open(url).read(reader.list()).result(), SEED, 2)
-
-
 def test_a_unit_of_an_unknown_or_old_format_is_refused_clearly(tmp_path):
   root = tmp_path / "store"
   store = TrajectoryStore.create(f"file://{root}", _schema())
@@ -253,10 +238,14 @@ def test_a_unit_of_an_unknown_or_old_format_is_refused_clearly(tmp_path):
   spec = L.unit_arrays(L.join(f"file://{root}", "u"), _schema())
   commit = ts.open(spec["commit"]).result()
   raw = commit.read().result()
-  for fmt, why in ((99, "$"), (2, r": an old store; commit [0-9a-f]+ of knittrans_jax reads it")):
+  old = r": an old store; commit {} of knittrans_jax reads it"
+  for fmt, why in ((99, "$"), (2, old.format("c68bd4c")), (3, old.format("7efc00a")),
+                   (4, old.format("7efc00a")), (5, old.format("7efc00a"))):
     raw[L.C_FORMAT] = fmt
     commit.write(raw).result()
-    with pytest.raises(CorruptUnitError,
-                       match=rf"'u'.*format {fmt} is not one this version reads \(3, 4, 5, 6\){why}"):
+    msg = rf"'u'.*format {fmt} is not one this version reads \(6\){why}"
+    with pytest.raises(CorruptUnitError, match=msg):
       TrajectoryStore.open(store.url).list_committed("u")
+    with pytest.raises(CorruptUnitError, match=msg):  # nor appended to, empty or not
+      TrajectoryStore.open(store.url).writer("u")
   assert os.path.exists(root / "u" / "unit.json")

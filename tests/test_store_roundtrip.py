@@ -124,22 +124,3 @@ def test_store_errors(url):
     TrajectoryStore.open(url.rstrip("/") + "_missing")
   with pytest.raises(ValueError, match="scheme"):
     TrajectoryStore.open("/no/scheme")
-
-
-def test_an_empty_unit_of_format_3_is_written_in_this_format(tmp_path):
-  """Format 3's `rows` has no LOSS_TOKENS column: an empty unit of it gets this
-  format's (nothing committed to lose), and its rows then count their loss tokens."""
-  import tensorstore as ts
-  from knittrans_jax.storage import layout as L
-  url = f"file://{tmp_path}/store"
-  store = TrajectoryStore.create(url, SCHEMA)
-  unit_url = L.join(url, "old")
-  arrays = L.open_unit_arrays(unit_url, SCHEMA, create=True, format_version=3)
-  arrays["commit"].write(np.array([3] + [0] * (L.COMMIT_LEN - 1), np.int64)).result()
-  assert ts.open(L.unit_arrays(unit_url, SCHEMA, 3)["rows"]).result().shape[1] == 9
-  rng = np.random.default_rng(1)
-  trajs = [_traj(rng, 0, i) for i in range(3)]
-  written = store.writer("old").append(trajs)
-  listed = TrajectoryStore.open(url).list_committed("old")
-  assert listed == written
-  assert [m.loss_tokens for m in listed] == [int(t.loss_mask.sum()) for t in trajs]

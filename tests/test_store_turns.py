@@ -1,7 +1,6 @@
-"""Storage formats 5-6: an episode's turns (spans, per-turn versions) and its seconds
-generating and in its environment, round-tripped exactly; bad turns refused naming
-the field; format-4 and format-5 units still read; a damaged turns chunk detected."""
-import shutil
+"""An episode's turns (spans, per-turn versions) and its seconds generating and in its
+environment, round-tripped exactly; bad turns refused naming the field; a damaged
+turns chunk detected. (Units of older formats are refused: tests/test_store_images.py.)"""
 
 import numpy as np
 import pytest
@@ -88,56 +87,6 @@ def test_bad_turns_are_refused_naming_the_field(tmp_path, turns, text):
       w.append([t])
   assert TrajectoryStore.open(store.url).list_committed("u")[0].turns == good.turns
   assert w.commit.rows == 1 and w.commit.turns == 2  # nothing of the refused calls
-
-
-def _as_format(url: str, unit: str, schema: StoreSchema, fmt: int) -> None:
-  """Rewrites a unit of this format as format `fmt` (4 or 5) wrote it: `rows` with that
-  format's columns, the reward in an array of its own, no `turns` array in format 4
-  (the unit must have no turns), the marker saying `fmt`."""
-  unit_url = L.join(url, unit)
-  arrays = L.open_unit_arrays(unit_url, schema, create=False)
-  commit = arrays["commit"].read().result()
-  rows = arrays["rows"][:commit[L.C_ROWS]].read().result()
-  specs = L.unit_arrays(unit_url, schema, fmt)
-  old = ts.open(specs["rows"], create=True, delete_existing=True).result()
-  old[:len(rows)].write(rows[:, :L.row_cols(fmt)]).result()
-  reward = ts.open(specs["reward"], create=True, delete_existing=True).result()
-  reward[:len(rows)].write(L.rows_reward(rows)).result()
-  if fmt < 5:
-    assert commit[L.C_TURNS] == 0
-    shutil.rmtree(url.removeprefix("file://") + f"/{unit}/turns")
-  commit[L.C_FORMAT] = fmt
-  arrays["commit"].write(commit).result()
-
-
-@pytest.mark.parametrize("fmt", [4, 5])
-def test_an_older_unit_reads_and_an_empty_one_is_continued_in_this_format(tmp_path, fmt):
-  """Format 4 reads with no turns; format 5 with its turns and its `reward` array
-  (format 6 keeps the reward among the row columns). A writer refuses a unit of
-  either that holds rows, and continues an empty one in this format."""
-  url = f"file://{tmp_path}/s"
-  store = TrajectoryStore.create(url, SCHEMA)
-  rng = np.random.default_rng(2)
-  plain = [Trajectory(rng.integers(0, 9, 4), rng.integers(0, 9, 7), np.zeros(7, np.float32),
-                      np.ones(7, bool), -1.5 + i, "hop", 0, i, (3,)) for i in range(2)]
-  written = store.writer("old").append(plain if fmt == 4 else [episode(rng, 1, 0, 3), *plain])
-  _as_format(url, "old", store.schema, fmt)
-  listed = TrajectoryStore.open(url).list_committed("old")
-  assert listed == written and [m.reward for m in listed][-2:] == [-1.5, -0.5]
-  if fmt == 4:
-    assert all(m.turns == () and m.gen_seconds == 0 for m in listed)
-  else:
-    assert listed[0].turns and listed[0].gen_seconds > 0
-  assert TrajectoryStore.open(url).reader("old").commit().format == fmt
-  with pytest.raises(Exception,
-                     match=f"format {fmt}; this version writes format {L.FORMAT_VERSION}"):
-    TrajectoryStore.open(url).writer("old")
-  store.writer("empty")
-  _as_format(url, "empty", store.schema, 4)
-  ep = episode(rng, 1, 0, 3)
-  assert TrajectoryStore.open(url).writer("empty").append([ep])[0].turns == ep.turns
-  reader = TrajectoryStore.open(url).reader("empty")
-  assert reader.commit().format == L.FORMAT_VERSION and reader.list()[0].turns == ep.turns
 
 
 def test_a_damaged_turns_chunk_is_detected(tmp_path):

@@ -324,8 +324,7 @@ class Trainer:
         raise RuntimeError(
             f"trajectory {m.id}: its loss mask has {int(np.count_nonzero(mask))} tokens of 1 but its "
             f"metadata counts {m.trained_tokens} (loss_tokens={m.loss_tokens}, response_len="
-            f"{m.response_len}); units of storage formats 1-3 do not count masked tokens, so "
-            "they train only with all-ones masks: write masked rollouts to a new unit")
+            f"{m.response_len}): the store's row and its payload disagree")
     if lay.qwen is not None and packed:  # M-RoPE restarting per segment
       batch.update(packed_image_fields(batch["tokens"], spans,
                                        [m.image_ids for m in payload.metas], seg.pack,

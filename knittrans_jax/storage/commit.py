@@ -19,7 +19,7 @@ class Commit:
   refs: int = 0
   images: int = 0
   image_bytes: int = 0
-  turns: int = 0  # rows of the `turns` table (format 5)
+  turns: int = 0  # rows of the `turns` table
   format: int = L.FORMAT_VERSION  # what the unit was written with (layout, image ids)
 
   def to_array(self) -> np.ndarray:
@@ -59,8 +59,9 @@ def read_commit(unit: str, array: ts.TensorStore, allow_missing: bool = False) -
                            "writer had written one)")
   if raw[L.C_FORMAT] not in L.READABLE_FORMATS:
     old = L.LAST_READER_OF.get(int(raw[L.C_FORMAT]))
+    readable = ", ".join(map(str, L.READABLE_FORMATS))
     raise CorruptUnitError(unit, f"commit marker format {raw[L.C_FORMAT]} is not one this "
-                           f"version reads {L.READABLE_FORMATS}" + (
+                           f"version reads ({readable})" + (
                                f": an old store; commit {old} of knittrans_jax reads it "
                                "(check it out to read or convert the run)" if old else ""))
   commit = Commit(rows=int(raw[L.C_ROWS]), tokens=int(raw[L.C_TOKENS]), refs=int(raw[L.C_REFS]),

@@ -15,8 +15,8 @@ without a trailing crc32c). It keeps TensorStore's meaning of the files: chunk
 an error naming the file, for payload reads), and a chunk file whose size is not the
 chunk's is an error (a truncated or foreign file).
 `read_range` does not verify a chunk's crc32c, so callers use it where the checksum
-is not needed: images, whose content hash is checked on every read, and the arrays
-of format 1-2 units without `payload_checksum`. `read_planes` verifies each file's
+is not needed: images, whose content hash is checked on every read, and the payload
+without `payload_checksum`. `read_planes` verifies each file's
 crc32c when it has one.
 
 Writes (storage/whole_chunks.py decides which): `replace` writes a whole chunk file

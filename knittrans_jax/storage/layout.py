@@ -8,13 +8,12 @@ chunks written on demand, so appends never rewrite array metadata):
                                 StoreSchema.token_chunk) as three planes, the
                                 token ids (int32), then their log-probs (float32),
                                 then their loss mask (uint8): 9 bytes per token
-  rows                          int64 [rows, ROW_COLS] per-trajectory columns; from
-                                format 6 the reward among them (REWARD)
-  reward                        float64 [rows]: formats 3-5 only
+  rows                          int64 [rows, ROW_COLS] per-trajectory columns, the
+                                reward among them (REWARD, its float64 bits)
   image_refs                    int64 jagged: image-table indices of each row
   turns                         int64 [turns, TURN_COLS] jagged: each episode row's
                                 turns (response-token start, end, first and
-                                last version); format 5
+                                last version)
   images/data                   uint8 jagged: raw image bytes, each image once
   images/index                  int64 [images, IMG_COLS]: byte end, dtype, shape
   images/hash                   uint8 [images, HASH_BYTES]: content hash (= id)
@@ -28,31 +27,14 @@ With StoreSchema.dedup_images (the default) the image table holds each image onc
 and `image_refs` of many rows point at it; without, every reference of every row
 has its own row (its own copy) in the table.
 
-Format 4 adds the `rows` column LOSS_TOKENS: how many of the row's response
-tokens have loss mask 1, so the controller counts a mini-batch's loss tokens from
-metadata alone (job/work.py). Units of formats 1-3 have no such column; their
-TrajMeta.loss_tokens is None ("every response token", what the job then assumed), and
-the trainer refuses a payload whose mask says otherwise.
-
-Format 5 adds what an agent episode carries beyond a single generation: the
-`turns` table (where each turn lies in the response and the versions that
-generated it) and three `rows` columns: TURN_END (the jagged end into `turns`),
-GEN_US and ENV_US (microseconds generating and in the environment). The per-turn
-versions cannot live in `rows` (a row has as many turns as its episode took), and
-a per-token version plane in `sequences` would cost 4 bytes a token to say what
-a few numbers a turn say. Units of format 4 are read as having no turns and no
-timings.
-
-Format 6 moves the reward from its own array into `rows` (the REWARD column holds
-its float64 bits): an append on a local store replaces the boundary chunk of each
-crc'd array whole, and one array less is one file less an append (7-9% of its time
-at 16 trajectories; docs/storage.md, "Measured (issue 46)"). Units of
-format 5 are read with their `reward` array.
-
-Units of formats 3-5 are read, not appended to (unless empty). Formats 1 and 2 (the
-three planes as three arrays; format 1's blake2b image ids) are refused with the
-commit to read them with (storage/commit.py). One file per chunk for all three cuts
-the files an append writes and a read opens by three (docs/storage.md, Measured).
+This is format 6, the only one this version reads or writes. `rows` counts each
+row's loss tokens (LOSS_TOKENS: the controller plans a mini-batch's loss normaliser
+from metadata, job/work.py), an episode's turns (TURN_END into `turns`, where each
+turn lies in the response and the versions that generated it) and its seconds
+generating and in its environment (GEN_US, ENV_US), and the reward (REWARD). A unit
+an older version wrote is refused by name, with its format and the last commit of
+knittrans_jax that reads it (storage/commit.py, LAST_READER_OF): check that commit
+out to read or convert the run. What each format changed: docs/storage.md, "Formats".
 
 The commit marker holds the committed extent of every array and is written last,
 as a single chunk (one key: replaced atomically by every kvstore driver; on a local
@@ -70,14 +52,10 @@ import tensorstore as ts
 from knittrans_jax.storage.schema import StoreSchema
 from knittrans_jax.types import TurnSpan
 
-# Format 4 adds the LOSS_TOKENS row column to format 3 (the sequences in one planar
-# array, images keyed by xxh3-128); format 5 the `turns` table and its row columns;
-# format 6 moves the reward into `rows` (the REWARD column, float64 bits), so an
-# append replaces one small crc'd file less (docs/storage.md, "Measured (issue 46)").
-# Units of formats 3-5 are read; a writer appends to one only while it is empty.
 FORMAT_VERSION = 6
-READABLE_FORMATS = (3, 4, 5, 6)
-LAST_READER_OF = {1: "c68bd4c", 2: "c68bd4c"}  # the last commit that reads formats 1-2
+READABLE_FORMATS = (6,)
+# The last commit that reads each older format (refused here by name).
+LAST_READER_OF = {1: "c68bd4c", 2: "c68bd4c", 3: "7efc00a", 4: "7efc00a", 5: "7efc00a"}
 MAX_EXTENT = 1 << 40
 HASH_BYTES = 16
 
@@ -87,26 +65,21 @@ HASH_BYTES = 16
  V_LAST, REF_END, LOSS_TOKENS, TURN_END, GEN_US, ENV_US, REWARD) = range(14)
 
 
-def row_cols(format_version: int) -> int:
-  """Columns of `rows` in units of a format (LOSS_TOKENS from format 4, TURN_END,
-  GEN_US and ENV_US from format 5, REWARD from format 6)."""
-  return {3: 9, 4: 10, 5: 13}.get(format_version, 14)
+ROW_COLS = 14
 
 
 def rows_reward(rows: np.ndarray) -> np.ndarray:
-  """The rewards of `rows` (format 6): the REWARD column's bits as float64. A missing
-  chunk's fill value (-1) reads as NaN."""
+  """The rewards of `rows`: the REWARD column's bits as float64. A missing chunk's
+  fill value (-1) reads as NaN."""
   return rows[:, REWARD].view(np.float64)
 
 
-def rows_damaged(rows: np.ndarray, format_version: int) -> bool:
+def rows_damaged(rows: np.ndarray) -> bool:
   """Whether `rows` hold values no writer stores: a negative integer column (the fill
-  value of a missing chunk, or bytes written over) or, from format 6, a reward that
-  is not finite. The reward's bits are a float's, negative for a negative reward."""
+  value of a missing chunk, or bytes written over) or a reward that is not finite.
+  The reward's bits are a float's, negative for a negative reward."""
   if not rows.size:
     return False
-  if format_version < 6:
-    return bool(rows.min() < 0)
   return bool(rows[:, :REWARD].min() < 0 or not np.isfinite(rows_reward(rows)).all())
 
 
@@ -114,8 +87,6 @@ def rows_damaged(rows: np.ndarray, format_version: int) -> bool:
 TURN_START, TURN_STOP, TURN_V_FIRST, TURN_V_LAST = range(4)
 TURN_COLS = 4
 
-
-ROW_COLS = row_cols(FORMAT_VERSION)
 
 def turn_spans(table: np.ndarray, starts, counts) -> list[tuple[TurnSpan, ...]]:
   """Each row's turns: its slice [start, start + count) of rows of a `turns` table."""
@@ -164,9 +135,9 @@ def sequences_damaged(tokens: np.ndarray, logprobs: np.ndarray, mask: np.ndarray
 
 
 PAYLOAD_ARRAYS = ("sequences",)  # the arrays that hold the sequences
-# The arrays whose spec (or existence: `turns` from format 5, `reward` before 6)
-# depends on the format.
-FORMAT_ARRAYS = ("rows", "reward", "turns")
+# The arrays a reader opens only once the commit marker says the unit is of this
+# format (an older unit's differ: refused by its marker, not by a failed open).
+FORMAT_ARRAYS = ("rows", "turns")
 
 _UNIT_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
@@ -281,9 +252,8 @@ def array_spec(url: str, dtype: str, shape: list[int], chunk: list[int], fill,
   }
 
 
-def unit_arrays(unit_url: str, schema: StoreSchema,
-                format_version: int = FORMAT_VERSION) -> dict[str, dict]:
-  """The zarr3 spec of every array of a unit of a format, by name."""
+def unit_arrays(unit_url: str, schema: StoreSchema) -> dict[str, dict]:
+  """The zarr3 spec of every array of a unit, by name."""
   tc, rc, pay = schema.token_chunk, schema.row_chunk, schema.payload_checksum
   M = MAX_EXTENT
   j = lambda name: join(unit_url, name)
@@ -291,10 +261,7 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
                                      SEQ_FILL, pay)}
   return {
       **payload,
-      "rows": array_spec(j("rows"), "int64", [M, row_cols(format_version)],
-                         [rc, row_cols(format_version)], ROWS_FILL, True),
-      **({"reward": array_spec(j("reward"), "float64", [M], [rc], "NaN", True)}
-         if format_version < 6 else {}),
+      "rows": array_spec(j("rows"), "int64", [M, ROW_COLS], [rc, ROW_COLS], ROWS_FILL, True),
       "image_refs": array_spec(j("image_refs"), "int64", [M], [rc], ROWS_FILL, True),
       "images/data": array_spec(j("images/data"), "uint8", [M], [schema.image_chunk_bytes],
                                 0, pay),
@@ -303,18 +270,17 @@ def unit_arrays(unit_url: str, schema: StoreSchema,
       "images/hash": array_spec(j("images/hash"), "uint8", [M, HASH_BYTES], [rc, HASH_BYTES],
                                 0, True),
       "commit": array_spec(j("commit"), "int64", [COMMIT_LEN], [COMMIT_LEN], 0, True),
-      **({"turns": array_spec(j("turns"), "int64", [M, TURN_COLS], [rc, TURN_COLS],
-                              ROWS_FILL, True)} if format_version >= 5 else {}),
+      "turns": array_spec(j("turns"), "int64", [M, TURN_COLS], [rc, TURN_COLS], ROWS_FILL,
+                          True),
   }
 
 
 def open_unit_arrays(unit_url: str, schema: StoreSchema, create: bool,
-                     format_version: int = FORMAT_VERSION,
                      names=None) -> dict[str, ts.TensorStore]:
   """Opens (optionally creating) the arrays of a unit (all, or those in `names`),
   concurrently."""
   ctx = context(schema.durable)
-  specs = unit_arrays(unit_url, schema, format_version)
+  specs = unit_arrays(unit_url, schema)
   futures = {name: ts.open(spec, create=create, open=True, context=ctx)
              for name, spec in specs.items() if names is None or name in names}
   return {name: f.result() for name, f in futures.items()}

@@ -72,7 +72,7 @@ class Floors:
   """What a unit keeps: every element of an array from its floor on (below may be gone).
   `watermark` is the W these were worked out for."""
   watermark: int = 0
-  rows: int = 0  # rows and reward (row W - 1 kept: its ends give row W's starts)
+  rows: int = 0  # rows (row W - 1 kept: its ends give row W's starts)
   tokens: int = 0  # sequences
   refs: int = 0  # image_refs
   turns: int = 0  # turns
@@ -82,8 +82,7 @@ class Floors:
   def keep(self) -> dict[str, int]:
     """Each array's first kept element."""
     index = max(self.images - 1, 0)
-    return {"sequences": self.tokens, "rows": self.rows, "reward": self.rows,
-            "image_refs": self.refs, "turns": self.turns, "images/data": self.image_bytes,
+    return {"sequences": self.tokens, "rows": self.rows, "image_refs": self.refs, "turns": self.turns, "images/data": self.image_bytes,
             "images/index": index, "images/hash": index}
 
 

@@ -27,8 +27,8 @@ class UnitReader:
     self.unit = L.check_unit_name(unit)
     self.schema = schema
     self._url = L.join(root, unit)
-    # The rows' array depends on the unit's format: opened once it is read.
-    self._format: int | None = None
+    # `rows` and `turns` are opened once the marker says the unit is of this format.
+    self._opened_format_arrays = False
     common = set(L.unit_arrays(self._url, schema)) - set(L.FORMAT_ARRAYS)
     try:
       self.arrays = L.open_unit_arrays(self._url, schema, create=False, names=common)
@@ -41,7 +41,7 @@ class UnitReader:
     self._image_rows = np.zeros((0, L.IMG_COLS), np.int64)
     self._image_pos: dict[str, int] = {}
     self._row_refs: dict[int, np.ndarray] = {}  # row -> image-table indices (no-dedup stores)
-    self.image_hash = image_id  # what every readable format keys images by
+    self.image_hash = image_id
     self._dir = file_chunks.local_path(L.join(root, unit))  # None: not a file:// store
     self._records = Records(unit, self._url, schema.durable)
     self._retains = schema.retention != "all"
@@ -59,13 +59,13 @@ class UnitReader:
 
   def commit(self) -> Commit:
     commit = read_commit(self.unit, self.arrays["commit"], allow_missing=False)
-    if commit.format != self._format:
+    if not self._opened_format_arrays:  # an older format was refused by the marker
       try:
-        self.arrays.update(L.open_unit_arrays(self._url, self.schema, False, commit.format,
+        self.arrays.update(L.open_unit_arrays(self._url, self.schema, False,
                                               names=L.FORMAT_ARRAYS))
       except Exception as e:
         raise CorruptUnitError(self.unit, f"cannot open its row array: {e}") from e
-      self._format = commit.format
+      self._opened_format_arrays = True
     return commit
 
   def _read(self, name: str, start: int, stop: int, batch=None) -> ts.Future:
@@ -165,36 +165,29 @@ class UnitReader:
       return []
     self.check_rows(start)
     lo = max(start - 1, 0)  # one row earlier gives this range's start offsets
-    with ts.Batch() as batch:
-      f_rows = self._read("rows", lo, stop, batch)
-      # Formats 3-5 keep the reward in an array of its own; 6 among the row columns.
-      f_rew = self._read("reward", start, stop, batch) if commit.format < 6 else None
+    f_rows = self._read("rows", lo, stop)
     try:
-      return self._list(commit, start, stop, self._result(f_rows, "rows"),
-                        self._result(f_rew, "reward") if f_rew is not None else None)
+      return self._list(commit, start, stop, self._result(f_rows, "rows"))
     except CorruptUnitError:
       self.check_rows(start)  # reclaimed while this read ran, not damaged
       raise
 
-  def _list(self, commit: Commit, start: int, stop: int, rows: np.ndarray,
-            reward: np.ndarray | None) -> list[TrajMeta]:
-    """`reward`: the `reward` array's values (formats 3-5); None: the rows' own (6)."""
-    prev = rows[0] if start > 0 else np.zeros(L.row_cols(commit.format), np.int64)
+  def _list(self, commit: Commit, start: int, stop: int, rows: np.ndarray) -> list[TrajMeta]:
+    prev = rows[0] if start > 0 else np.zeros(L.ROW_COLS, np.int64)
     rows = rows[1:] if start > 0 else rows
-    if reward is None:
-      reward = L.rows_reward(rows)
+    reward = L.rows_reward(rows)
     tok_end, ref_end = rows[:, L.TOK_END], rows[:, L.REF_END]
     tok_start = np.concatenate([[prev[L.TOK_END]], tok_end[:-1]])
     ref_start = np.concatenate([[prev[L.REF_END]], ref_end[:-1]])
     lengths = rows[:, L.PROMPT_LEN] + rows[:, L.RESPONSE_LEN]
-    if (L.rows_damaged(rows, commit.format) or not np.isfinite(reward).all()
+    if (L.rows_damaged(rows)
         or (tok_end - tok_start != lengths).any() or tok_end[-1] > commit.tokens
         or ref_end[-1] > commit.refs
         or (rows[:, L.SOURCE] >= len(self.schema.sources)).any()
-        or (commit.format >= 4 and (rows[:, L.LOSS_TOKENS] > rows[:, L.RESPONSE_LEN]).any())):
+        or (rows[:, L.LOSS_TOKENS] > rows[:, L.RESPONSE_LEN]).any()):
       raise CorruptUnitError(self.unit, f"row columns [{start}, {stop}) are inconsistent "
                              "(a chunk is missing or damaged)")
-    turns = self._turns(commit, rows, prev) if commit.format >= 5 else [()] * (stop - start)
+    turns = self._turns(commit, rows, prev)
     refs = np.zeros(0, np.int64)
     if ref_end[-1] > ref_start[0]:
       refs = self._result(self._read("image_refs", int(ref_start[0]), int(ref_end[-1])),
@@ -207,8 +200,8 @@ class UnitReader:
       for r in range(stop - start):
         self._row_refs[start + r] = refs[ref_start[r] - base:ref_end[r] - base]
     sources = self.schema.sources
-    loss = (rows[:, L.LOSS_TOKENS].tolist() if commit.format >= 4 else
-            [None] * (stop - start))  # formats 1-3 did not count them
+    loss = rows[:, L.LOSS_TOKENS].tolist()
+    gen, env = rows[:, L.GEN_US].tolist(), rows[:, L.ENV_US].tolist()
     return [TrajMeta(
         unit=self.unit, row=start + r, token_start=int(tok_start[r]),
         prompt_len=int(rows[r, L.PROMPT_LEN]), response_len=int(rows[r, L.RESPONSE_LEN]),
@@ -217,13 +210,11 @@ class UnitReader:
         version_last=int(rows[r, L.V_LAST]), reward=float(reward[r]),
         image_ids=tuple(self._image_ids[i - ib]
                         for i in refs[ref_start[r] - base:ref_end[r] - base]),
-        loss_tokens=loss[r], turns=turns[r],
-        **({"gen_seconds": int(rows[r, L.GEN_US]) / 1e6, "env_seconds": int(rows[r, L.ENV_US]) / 1e6}
-           if commit.format >= 5 else {}))
+        loss_tokens=loss[r], turns=turns[r], gen_seconds=gen[r] / 1e6, env_seconds=env[r] / 1e6)
         for r in range(stop - start)]
 
   def _turns(self, commit: Commit, rows: np.ndarray, prev: np.ndarray) -> list[tuple]:
-    """The turns of listed rows (format 5), checked against their rows."""
+    """The turns of listed rows, checked against their rows."""
     end = rows[:, L.TURN_END]
     start = np.concatenate([[prev[L.TURN_END]], end[:-1]])
     if (end < start).any() or end[-1] > commit.turns:

@@ -18,7 +18,6 @@ import time
 from typing import Sequence
 
 import numpy as np
-import tensorstore as ts
 
 from knittrans_jax.storage import file_chunks
 from knittrans_jax.storage import layout as L
@@ -49,23 +48,9 @@ class UnitWriter:
     self.url = L.join(root, unit)
     marker = L.open_unit_arrays(self.url, schema, create=True, names=("commit",))
     self._commit = read_commit(unit, marker["commit"], allow_missing=not registered)
-    c = self._commit
-    if c.format != L.FORMAT_VERSION and (c.rows or c.images):
-      raise StoreError(f"unit '{unit}' holds {c.rows} trajectories and {c.images} images in "
-                       f"format {c.format}; this version writes format {L.FORMAT_VERSION} (the "
-                       "sequences in one planar array, images keyed by xxh3-128, loss tokens "
-                       "counted, episode turns and timings) and does not mix formats in a unit: "
-                       "read it as it is, and "
-                       "write new rollouts to a new unit or store")
-    # Opened only now: a unit of an older format must not get this format's arrays.
-    # An empty one is written in this format: its `rows` (no row committed, so
-    # nothing to lose) is made again with this format's columns.
+    # Opened only now: a unit of an older format was refused by its marker above
+    # (read_commit names its format), before it could get this format's arrays.
     names = set(L.unit_arrays(self.url, schema)) - {"commit"}
-    if c.format < L.FORMAT_VERSION:
-      names.discard("rows")
-      spec = L.unit_arrays(self.url, schema)["rows"]
-      marker["rows"] = ts.open(spec, create=True, delete_existing=True,
-                               context=L.context(schema.durable)).result()
     self._arrays = {**marker, **L.open_unit_arrays(self.url, schema, create=True, names=names)}
     if not registered and self._commit == Commit():
       write_commit(self._arrays["commit"], Commit())  # marks a valid, empty unit

@@ -79,8 +79,8 @@ class DamagedTail(ValueError):
 def _check_tail(name: str, tail, fill) -> None:
   if name == "sequences":
     bad = L.sequences_damaged(*tail)
-  elif name == "rows":  # a writer appends to units of this format only
-    bad = L.rows_damaged(tail, L.FORMAT_VERSION)
+  elif name == "rows":
+    bad = L.rows_damaged(tail)
   elif np.isnan(fill).any():
     bad = np.isnan(tail).any()
   else:
