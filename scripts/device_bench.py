@@ -45,7 +45,7 @@ trajectories' tokens (padding not counted), L: a trajectory's length. The first 
 is 2 FLOPs per parameter per token forward and 4 backward; the second is QK^T and
 AV (2 * 2 * heads * head_dim per query-key pair forward, 3x with the backward) over
 the L (L + 1) / 2 causal pairs. Peak dense bf16 FLOP/s by jax.devices()[0].device_kind:
-PEAK_FLOPS (vendor spec sheets); `--peak_flops` overrides; on a device the table does
+PEAK_FLOPS (knittrans_jax/models/flops.py, vendor spec sheets); `--peak_flops` overrides; on a device the table does
 not know, MFU is null with the reason.
 
 `--dry_run`: the same code at toy size on CPU (each model file's shape shrunk to a tiny
@@ -59,7 +59,6 @@ import gc
 import json
 import math
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -76,6 +75,7 @@ from tqdm import tqdm
 
 # Every configurable registered before the first gin parse (gin then locks).
 from knittrans_jax import cli
+from knittrans_jax.models.flops import matmul_params, mfu_fields, peak_flops, train_flops
 from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.job.batching import build_packed_batch
 from knittrans_jax.job.work import StepPlanner
@@ -107,20 +107,6 @@ MODELS = ("configs/models/qwen2_5_0_5b.gin", "configs/models/qwen2_5_1_5b.gin")
 # Seconds of timed reps per entry (a model's train, rollout, weights; the one h2d):
 # with compilation (~1 min a model on one GPU) the run fits 8 minutes.
 BUDGET_S = {"train": 60.0, "rollout": 45.0, "weights": 40.0, "h2d": 20.0}
-# Peak dense bf16 FLOP/s of one device, by device_kind (first match wins), from the
-# vendors' spec sheets (NVIDIA's give "with sparsity" figures: dense is half).
-PEAK_FLOPS = (
-    (r"h100.*pcie", 756e12, "NVIDIA H100 PCIe datasheet: 1,513 TFLOPS bf16 with sparsity"),
-    (r"h100.*nvl", 835e12, "NVIDIA H100 NVL datasheet: 1,671 TFLOPS bf16 with sparsity"),
-    (r"h100", 989e12, "NVIDIA H100 SXM datasheet: 1,979 TFLOPS bf16 with sparsity"),
-    (r"h200.*nvl", 835e12, "NVIDIA H200 NVL datasheet: 1,671 TFLOPS bf16 with sparsity"),
-    (r"h200", 989e12, "NVIDIA H200 SXM datasheet: 1,979 TFLOPS bf16 with sparsity"),
-    (r"a100", 312e12, "NVIDIA A100 datasheet: 312 TFLOPS bf16 dense"),
-    (r"^tpu v4$", 275e12, "Google Cloud TPU v4 spec: 275 TFLOPS bf16 per chip"),
-    (r"^tpu v5( lite|e)", 197e12, "Google Cloud TPU v5e spec: 197 TFLOPS bf16 per chip"),
-    (r"^tpu v5p?$", 459e12, "Google Cloud TPU v5p spec: 459 TFLOPS bf16 per chip"),
-    (r"^tpu v6( lite|e)|trillium", 918e12, "Google Cloud TPU v6e spec: 918 TFLOPS bf16 per chip"),
-)
 # Dry run: each model file's family and options at this shape.
 TOY = dict(vocab_size=512, width=64, depth=2, heads=4, kv_heads=2, head_dim=16, mlp_width=128)
 
@@ -149,39 +135,6 @@ FULL = Sizes(groups=16, n=8, prompt_len=256, response_median=512, response_max=1
              max_new_tokens=512, reps=3)
 DRY = Sizes(groups=2, n=4, prompt_len=8, response_median=16, response_max=40, seq_len=64,
             rows=8, rollout_groups=2, rollout_prompt_len=8, max_new_tokens=8, reps=2)
-
-
-# -- peak FLOP/s and model FLOPs ---------------------------------------------------------
-def peak_flops(device_kind: str, override: float | None = None) -> dict:
-  """{'value', 'source', 'reason'}: the device's peak dense bf16 FLOP/s, or value None
-  and why."""
-  if override is not None:
-    return {"value": float(override), "source": "--peak_flops", "reason": None}
-  for pattern, value, source in PEAK_FLOPS:
-    if re.search(pattern, device_kind.lower()):
-      return {"value": value, "source": source, "reason": None}
-  return {"value": None, "source": None,
-          "reason": f"no peak FLOP/s known for device kind {device_kind!r} (PEAK_FLOPS in "
-                    "scripts/device_bench.py); pass --peak_flops"}
-
-
-def matmul_params(cfg, total: int) -> int:
-  """N of the module doc: every parameter but a separate input embedding table."""
-  return total if cfg.tie_embeddings else total - cfg.vocab_size * cfg.width
-
-
-def train_flops(cfg, n_matmul: int, lengths) -> float:
-  """Model FLOPs of one update on trajectories of `lengths` tokens (module doc)."""
-  lengths = np.asarray(lengths, np.float64)
-  pairs = float(np.sum(lengths * (lengths + 1)))  # twice the causal query-key pairs
-  attention = 6.0 * cfg.depth * cfg.heads * cfg.dim_per_head * pairs
-  return 6.0 * n_matmul * float(lengths.sum()) + attention
-
-
-def mfu_fields(flops: float, seconds: float, peak: dict, devices: int) -> dict:
-  if peak["value"] is None:
-    return {"mfu": None, "mfu_reason": peak["reason"]}
-  return {"mfu": flops / seconds / (peak["value"] * devices), "mfu_reason": None}
 
 
 # -- timing -------------------------------------------------------------------------------

@@ -73,6 +73,10 @@ def check_trained(workdir, expected_steps):
     now = store.footprint()  # as the summary says; the files reclaimed at the end too
     assert {k: held[k] for k in now} == now
   assert summary["quota_violations"] == 0 and summary["tokens_skipped"] == 0
+  # Each step's model FLOPs (models/flops.py) over its seconds; no MFU on a CPU.
+  for r in recs:
+    assert r["model_flops"] > 0 and "mfu" not in r
+    assert r["model_flops_per_s"] == pytest.approx(r["model_flops"] / r["train_s"])
   for key in ("reward_first", "reward_last", "arch_staleness_mean", "arch_staleness_p99",
               "wall_s", "exposed_data_wait_s"):
     assert summary[key] is not None, key

@@ -20,7 +20,7 @@ from flax import nnx
 from knittrans_jax.cluster.ray_setup import RayConfig, connect
 from knittrans_jax.cluster.rollout_actors import RayWorkerPool
 from knittrans_jax.cluster.trainer_actors import RayTrainerGroup
-from knittrans_jax.job.build_trainer import make_model_fn
+from knittrans_jax.job.build_trainer import make_model_fn, step_flops
 from knittrans_jax.job.driver import Driver, write_summary
 from knittrans_jax.job.roles import TrainerLost
 from knittrans_jax.job.setup import (JobSetup, check_new_run, create_store, make_evaluator,
@@ -52,7 +52,8 @@ def _attempt(setup: JobSetup, workdir: str, resume: bool, cfg: RayConfig) -> dic
                              weights=setup.weights.resolve("ray"))
   try:
     driver = Driver(setup, workdir, trainers, store, consumers=consumers, resume=resume,
-                    evaluator=evaluator, processes=cfg.trainers)
+                    evaluator=evaluator, processes=cfg.trainers,
+                    flops=step_flops(setup, len(trainers.devices), None))
   except BaseException:
     trainers.close()
     raise

@@ -176,6 +176,7 @@ class RayTrainerGroup:
     self.rows_multiple, self.encode_once = info["rows_multiple"], info["encode_once"]
     host_of = {c: i["host"] for i in infos for c in i["consumers"]}
     self.consumer_host = tuple(host_of[c] for c in range(consumers))  # the planner's locality
+    self.devices = tuple(info["devices"])  # the trainers' mesh, every process's devices
     log(f"{T} trainer actor(s), coordinator {coordinator or 'auto-detected'}, "
         f"{len(info['devices'])} devices")
 

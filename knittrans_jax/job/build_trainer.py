@@ -15,9 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from knittrans_jax.dataplane.centralized import local_driver
+from knittrans_jax.job.metrics import StepFlops
 from knittrans_jax.job.setup import JobSetup, checkpoint_dir, pack_layout, prefix_tokens
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
 from knittrans_jax.models import hf, qwen_vl
+from knittrans_jax.models.flops import matmul_params, peak_flops
 from knittrans_jax.models.vlm import make_model
 from knittrans_jax.multimodal import (EncodeOnceStep, PrefixImages, QwenVLImages,
                                       check_deterministic, naive_qwen_forward,
@@ -54,6 +56,19 @@ class Placement:
 
 def make_model_fn(setup: JobSetup):
   return lambda rngs: make_model(setup.model, setup.vision, rngs)
+
+
+def step_flops(setup: JobSetup, devices: int, device_kind: str | None) -> StepFlops | None:
+  """The step's model FLOPs counter for a decoder policy (None for a VLM: the formula
+  counts a decoder); `device_kind` None: no MFU (the trainers' devices unknown here)."""
+  if setup.vision is not None:
+    return None
+  with nnx.use_eager_sharding(False):
+    model = nnx.eval_shape(lambda: make_model_fn(setup)(nnx.Rngs(0)))
+  total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  peak = (peak_flops(device_kind) if device_kind is not None else
+          {"value": None, "source": None, "reason": "the trainers' devices are not this process's"})
+  return StepFlops(setup.model, matmul_params(setup.model, total), peak, devices)
 
 
 def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: Placement,

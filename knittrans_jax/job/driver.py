@@ -34,7 +34,7 @@ from knittrans_jax import cpu_profile, gin_cli
 from knittrans_jax.cpu_profile import phase
 from knittrans_jax.job.controller import Controller, JobStalled
 from knittrans_jax.job.evaluation import Evaluator
-from knittrans_jax.job.metrics import MetricsLog
+from knittrans_jax.job.metrics import MetricsLog, StepFlops
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.reclaim import WatermarkPublisher
 from knittrans_jax.job.roles import RolloutPool, TrainerHandle, TrainerLost
@@ -46,9 +46,11 @@ class Driver:
 
   def __init__(self, setup: JobSetup, workdir: str, trainers: TrainerHandle,
                store: TrajectoryStore, *, consumers: int, resume: bool,
-               evaluator: Evaluator | None, processes: int = 1):
+               evaluator: Evaluator | None, processes: int = 1,
+               flops: StepFlops | None = None):
     """`trainers` set up and restored; `processes`: how many trainer processes step
-    in collectives (a failure with several leaves no collective checkpoint)."""
+    in collectives (a failure with several leaves no collective checkpoint); `flops`:
+    each step's model FLOPs and MFU in metrics.jsonl (build_trainer.step_flops)."""
     self.setup, self.cfg, self.workdir = setup, setup.cfg, workdir
     self.step_seconds: list[float] = []  # per step: launch to fetched, plus publishing
     self.prefix_tokens = prefix_tokens(setup)  # the tiny VLM's image positions a row
@@ -60,7 +62,8 @@ class Driver:
     self.state = (ControllerState.from_json(trainers.progress) if trainers.progress
                   else ControllerState())
     self.policy, self.dispatch = make_admission(setup)
-    self.log = MetricsLog(workdir, self.cfg.spec, resume=resume, upto_step=trainers.version)
+    self.log = MetricsLog(workdir, self.cfg.spec, resume=resume, upto_step=trainers.version,
+                          flops=flops)
     self.stop_requested = False
     # Retention: each checkpoint's watermarks go to the store once it is written.
     self.reclaim = WatermarkPublisher(store.retain_from)

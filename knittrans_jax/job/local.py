@@ -14,7 +14,7 @@ import socket
 
 import jax
 
-from knittrans_jax.job.build_trainer import BuiltTrainer, Placement, make_trainer
+from knittrans_jax.job.build_trainer import BuiltTrainer, Placement, make_trainer, step_flops
 from knittrans_jax.job.driver import Driver
 from knittrans_jax.job.local_trainer import LocalTrainer
 from knittrans_jax.job.roles import RolloutPool
@@ -69,7 +69,8 @@ def build_local(setup: JobSetup, workdir: str, resume: bool = False) -> LocalRun
   built = make_trainer(setup, workdir, store, Placement(0, 1, consumers, host), resume)
   driver = Driver(setup, workdir, LocalTrainer(built, workdir, host), store,
                   consumers=consumers, resume=resume,
-                  evaluator=make_evaluator(setup, built.graphdef))
+                  evaluator=make_evaluator(setup, built.graphdef),
+                  flops=step_flops(setup, built.mesh.devices.size, jax.devices()[0].device_kind))
   return LocalRun(driver, setup, url, built)
 
 

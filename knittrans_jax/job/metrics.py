@@ -7,6 +7,7 @@ fault checks all read through it).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 import time
@@ -16,6 +17,7 @@ import numpy as np
 from knittrans_jax.admission import TrainBatchSpec
 from knittrans_jax.admission.costs import quota_error
 from knittrans_jax.job.tb_events import ScalarWriter
+from knittrans_jax.models.flops import mfu_fields, train_flops
 
 
 METRICS_FILE = "metrics.jsonl"
@@ -67,11 +69,34 @@ def engine_vs_trainer(sums: dict) -> dict:
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class StepFlops:
+  """What a step's model FLOPs and MFU need (models/flops.py): the decoder's config
+  and matmul parameters, one device's peak FLOP/s (value None: no MFU) and the
+  trainers' device count."""
+  model: object  # DecoderConfig
+  n_matmul: int
+  peak: dict
+  devices: int
+
+  def fields(self, lengths, seconds: float) -> dict:
+    """model_flops of the step's trajectories; model_flops_per_s over `seconds` (the
+    step as the driver sees it: launch to its fetched sums); mfu where the peak is
+    known."""
+    flops = train_flops(self.model, self.n_matmul, lengths)
+    out = {"model_flops": flops, "model_flops_per_s": flops / seconds}
+    if self.peak["value"] is not None:
+      out["mfu"] = mfu_fields(flops, seconds, self.peak, self.devices)["mfu"]
+    return out
+
+
 class MetricsLog:
 
   def __init__(self, workdir: str, spec: TrainBatchSpec, resume: bool = False,
-               upto_step: int = 0):
-    self.spec = spec
+               upto_step: int = 0, flops: StepFlops | None = None):
+    """`flops`: each step's model FLOPs (and MFU) in its record; None: not counted
+    (a model the formula does not cover)."""
+    self.spec, self.flops = spec, flops
     self.path = os.path.join(workdir, METRICS_FILE)
     self.records: list[dict] = []
     if resume:  # a killed run's last line may be torn; steps after the checkpoint are undone
@@ -142,6 +167,8 @@ class MetricsLog:
     }
     if train_s is not None:  # the step's launch to its fetched sums (the driver's view)
       rec["train_s"] = train_s
+      if self.flops is not None and train_s > 0:
+        rec.update(self.flops.fields([m.length for m in metas], train_s))
     if computed_tokens:
       rec.update(micro_batches=micro_batches, padding_fraction=1.0 - sum(
           m.length + prefix_tokens for m in metas) / computed_tokens)
