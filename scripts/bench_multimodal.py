@@ -152,7 +152,8 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
   from knittrans_jax.models.vision_spec import VisionSpec
   from knittrans_jax.models.vlm import make_model
-  from knittrans_jax.multimodal import EncodeOnceStep, EncoderCalls, naive_vlm_forward
+  from knittrans_jax.multimodal import (EncodeOnceConfig, EncodeOnceStep, EncoderCalls,
+                                      naive_vlm_forward)
   from knittrans_jax.rl import LossConfig
   from knittrans_jax.storage import TrajectoryStore
   from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
@@ -186,7 +187,7 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   def fns_with(forward):
     return StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules, forward=forward)
   fns = fns_with(naive_forward())
-  steps = {False: None, True: EncodeOnceStep(fns, path=path)}
+  steps = {False: None, True: EncodeOnceStep(fns, EncodeOnceConfig(), path=path)}
   layout = BatchLayout(rows=a.micro, seq_len=seq, vocab_size=vocab,
                        vision=spec)
   store = TrajectoryStore.open(store_url)
@@ -205,7 +206,7 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
   jax.effects_barrier()
   naive_forwards = calls.forward_images
   calls.reset()
-  dedup = trainer(OnDemand(store), True, step=EncodeOnceStep(fns, calls=calls, path=path)).step(
+  dedup = trainer(OnDemand(store), True, step=EncodeOnceStep(fns, EncodeOnceConfig(), calls=calls, path=path)).step(
       works[0], apply=False)
   jax.block_until_ready(dedup.grads)
   jax.effects_barrier()

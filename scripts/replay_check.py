@@ -34,7 +34,9 @@ def main():
   parser.add_argument("--atol", type=float, default=1e-6)
   args = parser.parse_args()
   from knittrans_jax.job.metrics import read_metrics
+  from knittrans_jax.job.config import JobConfig
   from knittrans_jax.job.replay import replay, run_state
+  from knittrans_jax.job.setup import job_setup
 
   run = os.path.abspath(args.run_dir)
   consumers = args.consumers
@@ -43,7 +45,7 @@ def main():
       consumers = json.load(f)["consumers"]
   gin.parse_config_file(os.path.join(run, "config.gin"))
   with tempfile.TemporaryDirectory() as work:
-    job = replay(run, os.path.join(work, "replay"), consumers)
+    job = replay(job_setup(JobConfig()), run, os.path.join(work, "replay"), consumers)
     logged = read_metrics(run)
     ok = True
     print(f"{'step':>5} {'loss (run)':>14} {'loss (1 proc)':>14} {'grad_norm (run)':>16} "

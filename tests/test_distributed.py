@@ -68,7 +68,9 @@ def two_process_run(local_ray, tmp_path_factory):
 
 @pytest.mark.slow
 def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
+  from knittrans_jax.job.config import JobConfig
   from knittrans_jax.job.replay import replay, run_state
+  from knittrans_jax.job.setup import job_setup
 
   run = two_process_run
   summary = json.loads((run / "summary.json").read_text())
@@ -91,7 +93,7 @@ def test_two_trainer_processes_equal_one(two_process_run, tmp_path):
 
   # One process, 8 devices, the same mini-batches from the run's store.
   gin.parse_config_file(str(run / "config.gin"))
-  job = replay(str(run), str(tmp_path / "replay"), consumers=2)
+  job = replay(job_setup(JobConfig()), str(run), str(tmp_path / "replay"), consumers=2)
   assert [r["ids"] for r in job.log.records] == [r["ids"] for r in records]
   for a, b in zip(records, job.log.records):
     np.testing.assert_allclose(b["loss"], a["loss"], rtol=1e-5, atol=1e-7)
@@ -128,7 +130,9 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   the job goes on, skipping exactly that chunk's rows."""
   import shutil
 
+  from knittrans_jax.job.config import JobConfig
   from knittrans_jax.job.replay import replay
+  from knittrans_jax.job.setup import job_setup
   from knittrans_jax.storage import TrajectoryStore
 
   run = tmp_path / "damaged"
@@ -139,7 +143,7 @@ def test_job_quarantines_a_damaged_unit_and_trains_the_rest(two_process_run, tmp
   os.remove(run / "store" / "worker1" / "sequences" / "c" / "0")
   hit = [m for m in metas if m.token_start < chunk]
   gin.parse_config_file(str(run / "config.gin"))
-  job = replay(str(run), str(tmp_path / "replay"), consumers=2)
+  job = replay(job_setup(JobConfig()), str(run), str(tmp_path / "replay"), consumers=2)
   records = job.log.records
   assert len(records) == 4
   trained = {i for r in records for i in r["ids"]}

@@ -41,12 +41,8 @@ ROOTS = {"knittrans_jax/launch.py", "knittrans_jax/cli.py", "knittrans_jax/job/s
 NOT_YET = {
     ("knittrans_jax/cluster/trainer_actors.py", "JobConfig"): "a Ray actor's own process "
     "re-parses the gin config it is sent; next: send it the root's JobSetup",
-    ("knittrans_jax/job/replay.py", "JobConfig"): "replay() is its scripts' entry point; "
-    "next: take the caller's JobSetup",
     ("knittrans_jax/mesh.py", "MeshConfig"): "the checkpoint loaders' mesh when a caller "
     "(a script, a test) gives none",
-    ("knittrans_jax/multimodal/encode_once.py", "EncodeOnceConfig"): "EncodeOnceStep "
-    "without a config (tests, benchmarks); the job passes JobSetup.encode_once",
     ("knittrans_jax/rollout/vllm_engine.py", "VllmOptions"): "an engine spec without "
     "options (tests); the job passes the root's (JobSetup.engine_options)",
     ("knittrans_jax/rollout/vllm_server_engine.py", "VllmServerOptions"): "likewise",

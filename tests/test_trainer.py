@@ -20,7 +20,7 @@ from knittrans_jax.models import DecoderConfig
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vit import ViTConfig
 from knittrans_jax.models.vlm import make_model
-from knittrans_jax.multimodal import EncodeOnceStep, naive_vlm_forward
+from knittrans_jax.multimodal import EncodeOnceConfig, EncodeOnceStep, naive_vlm_forward
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.storage import StoreSchema, TrajectoryStore, image_id
 from knittrans_jax.storage.quarantine import QuarantiningReader
@@ -76,7 +76,7 @@ def make_trainer(store, vision=False, encode_once=False, centralized=False, cons
         lambda r: make_model(LM, VisionSpec.tiny(VIT) if vision else None, r), tx, mesh, mesh_cfg.rules, 0)
     fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules,
                         forward=naive_vlm_forward() if vision else text_forward)
-    _BUILT[vision] = (fns, state0, EncodeOnceStep(fns) if vision else None)
+    _BUILT[vision] = (fns, state0, EncodeOnceStep(fns, EncodeOnceConfig()) if vision else None)
   fns, state0, eo = _BUILT[vision]
   rm = rows_multiple(fns.mesh, fns.rules)
   layout = BatchLayout(rows=MICRO, seq_len=SEQ, vocab_size=LM.vocab_size, rows_multiple=rm,

@@ -63,12 +63,14 @@ def test_vlm_job_quarantines_a_damaged_image_chunk(vlm_run, tmp_path):
 
   import gin
 
+  from knittrans_jax.job.config import JobConfig
   from knittrans_jax.job.replay import replay
+  from knittrans_jax.job.setup import job_setup
   run = tmp_path / "damaged"
   shutil.copytree(vlm_run, run)
   os.remove(run / "store" / "worker1" / "images" / "data" / "c" / "0")
   gin.parse_config_file(str(run / "config.gin"))
-  job = replay(str(run), str(tmp_path / "replay"), consumers=1)
+  job = replay(job_setup(JobConfig()), str(run), str(tmp_path / "replay"), consumers=1)
   recs = job.log.records
   assert len(recs) == 6
   store = TrajectoryStore.open(f"file://{run}/store")

@@ -22,7 +22,7 @@ from knittrans_jax.job.work import StepPlanner, encode_once_slots
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vlm import make_model
-from knittrans_jax.multimodal import EncodeOnceStep, QwenVLImages, naive_qwen_forward
+from knittrans_jax.multimodal import EncodeOnceConfig, EncodeOnceStep, QwenVLImages, naive_qwen_forward
 from knittrans_jax.rl import LossConfig
 from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
 from knittrans_jax.storage import TrajectoryStore
@@ -112,7 +112,7 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
                        vision=spec)
   grads = {}
   for dedup in (False, True):
-    step = EncodeOnceStep(fns, path=QwenVLImages(config.vision.merge)) if dedup else None
+    step = EncodeOnceStep(fns, EncodeOnceConfig(), path=QwenVLImages(config.vision.merge)) if dedup else None
     trainer = Trainer(fns, state, OnDemand(store), layout, [0, 1], encode_once=step, vision=True)
     grads[dedup] = jax.device_get(trainer.step(work, apply=False).grads)
     trainer.close()
@@ -122,7 +122,7 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
       MiniBatch(0, 0, groups, 0))
   packed = dataclasses.replace(packed, advantages=work.advantages)
   assert any(len(set(rows)) < len(rows) for c in packed.rows for rows in c)  # rows shared
-  step = EncodeOnceStep(fns, path=QwenVLImages(config.vision.merge))
+  step = EncodeOnceStep(fns, EncodeOnceConfig(), path=QwenVLImages(config.vision.merge))
   trainer = Trainer(fns, state, OnDemand(store), dataclasses.replace(layout, seq_len=32), [0, 1],
                     encode_once=step, vision=True)
   grads["packed"] = jax.device_get(trainer.step(packed, apply=False).grads)

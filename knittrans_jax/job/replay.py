@@ -14,12 +14,11 @@ import socket
 
 import jax
 
-from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.job.build_trainer import Placement, make_trainer
 from knittrans_jax.job.local_trainer import LocalTrainer
 from knittrans_jax.job.metrics import MetricsLog
-from knittrans_jax.job.setup import check_new_run, job_setup, make_planner
+from knittrans_jax.job.setup import JobSetup, check_new_run, make_planner
 from knittrans_jax.job.trainer import Trainer
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.train import Checkpointer, abstract_state
@@ -68,15 +67,16 @@ class Replay:
     return self.trainer.quarantine  # the units and rows the replay could not read
 
 
-def replay(run_dir: str, workdir: str, consumers: int) -> Replay:
-  """Trains `run_dir`'s logged mini-batches in `workdir` (the gin config already
-  parsed, as for the run), reading `run_dir`'s store, planned over `consumers`."""
+def replay(setup: JobSetup, run_dir: str, workdir: str, consumers: int) -> Replay:
+  """Trains `run_dir`'s logged mini-batches in `workdir` (`setup`: the run's, built by
+  the caller from its gin config, job_setup(JobConfig())), reading `run_dir`'s store,
+  planned over `consumers`."""
   run_dir, workdir = os.path.abspath(run_dir), os.path.abspath(workdir)
   os.makedirs(workdir, exist_ok=True)
   # One process here, whatever the run's cluster (its weights go to no engine on Ray).
-  cfg = dataclasses.replace(JobConfig(), cluster="local")
+  cfg = dataclasses.replace(setup.cfg, cluster="local")
   dataclasses.replace(cfg, consumers=consumers).consumers_for(1)
-  setup = job_setup(cfg)
+  setup = dataclasses.replace(setup, cfg=cfg)
   # The run's store: its JobConfig.store_url (s3://...), else the one in its work dir.
   store = TrajectoryStore.open(cfg.store_url or "file://" + os.path.join(run_dir, "store"))
   if store.schema.retention != "all":

@@ -1,7 +1,7 @@
 """The encode-once step: each unique image of a mini-batch is encoded once and its
 encoder back-propagates once, giving exactly the naive gradient.
 
-    step = EncodeOnceStep(fns)                      # fns: train.StepFunctions of a VLM
+    step = EncodeOnceStep(fns, EncodeOnceConfig())  # fns: train.StepFunctions of a VLM
     enc = step.encode(state.params, images)         # E [U, patches, d] for the U slots
     acc, acc_e = fns.zero_grads(state.params), step.zero_embed_grads(enc)
     for micro in micro_batches:                     # arrive one at a time (data path)
@@ -252,10 +252,11 @@ def _backbone(fns: StepFunctions, path: ImagePath, params, embeds, acc, acc_e, b
 class EncodeOnceStep:
   """The deduplicated mini-batch step around a VLM's StepFunctions (see module doc)."""
 
-  def __init__(self, fns: StepFunctions, config: EncodeOnceConfig | None = None,
+  def __init__(self, fns: StepFunctions, config: EncodeOnceConfig,
                calls: EncoderCalls | None = None, path: ImagePath | None = None):
+    """`config`: the run's (JobSetup.encode_once), built at the root."""
     self.fns = fns
-    self.config = config = config or EncodeOnceConfig()
+    self.config = config
     self.path = path = path if path is not None else PrefixImages()
     self.calls = calls if calls is not None else (EncoderCalls() if config.count_calls else None)
     # A stochastic encoder never gets here: its rng state cannot be split into a
