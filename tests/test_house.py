@@ -26,6 +26,10 @@ def test_readme_and_status_fit_a_screen_or_two():
   assert over("docs/status.md", 120) == {}
 
 
+def test_no_docs_page_over_350_lines():
+  assert over("docs/**/*.md", 350) == {}
+
+
 def test_results_pages_are_dated():
   pages = glob.glob(os.path.join(ROOT, "docs", "results", "*.md"))
   assert pages
