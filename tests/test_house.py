@@ -47,9 +47,6 @@ NOT_YET = {
     "re-parses the gin config it is sent; next: send it the root's JobSetup",
     ("knittrans_jax/mesh.py", "MeshConfig"): "the checkpoint loaders' mesh when a caller "
     "(a script, a test) gives none",
-    ("knittrans_jax/rollout/vllm_engine.py", "VllmOptions"): "an engine spec without "
-    "options (tests); the job passes the root's (JobSetup.engine_options)",
-    ("knittrans_jax/rollout/vllm_server_engine.py", "VllmServerOptions"): "likewise",
     # Not below the root: a config's nested default, built when the root builds it.
     ("knittrans_jax/job/config.py", "TrainBatchSpec"): "JobConfig's spec when unbound",
     ("knittrans_jax/sim/config.py", "TrainBatchSpec"): "SimConfig's spec when unbound",

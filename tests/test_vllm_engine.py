@@ -34,7 +34,7 @@ def model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engine(model, tmp_path_factory):
   config, graphdef, params = model
-  e = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0,
+  e = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0, options=VllmOptions(),
                              workdir=str(tmp_path_factory.mktemp("engine"))), graphdef, params, 0)
   yield e
   e.close()
@@ -215,7 +215,8 @@ def test_weight_update_equals_a_fresh_engine_on_the_new_weights(engine, model, t
   before = engine.generate(requests(40))
   engine.update_weights(1, new)
   after = engine.generate(requests(40))
-  fresh = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0, workdir=str(tmp_path)),
+  fresh = make_engine(EngineSpec("vllm", config, SAMPLER, seed=0, workdir=str(tmp_path),
+                                 options=VllmOptions()),
                       graphdef, new, 1)
   # Two in-process engines share vLLM's process-wide parallel state, which closing
   # either one tears down: this test is the module engine's last use.

