@@ -168,26 +168,52 @@ def test_budget_and_max_turns_end_an_episode(model):
     AgentConfig(max_turns=0)
 
 
+class Finishing(Scripted):
+  """Counts its episode's last step into `done`; the 8th sets `all_done`."""
+
+  def __init__(self, done, all_done, **kw):
+    super().__init__(**kw)
+    self.done, self.all_done = done, all_done
+
+  def step(self, response):
+    out = super().step(response)
+    if out.done:
+      with self.done["lock"]:
+        self.done["n"] += 1
+        if self.done["n"] == 8:
+          self.all_done.set()
+    return out
+
+
+class Waiting(Scripted):
+  """A step that lasts until every fast episode has ended (at most 20 s), then 1 s."""
+
+  def __init__(self, all_done, **kw):
+    super().__init__(**kw)
+    self.all_done = all_done
+
+  def step(self, response):
+    self.all_done.wait(20.0)  # under AgentConfig.step_timeout_s (30)
+    time.sleep(1.0)  # the last fast group's bookkeeping, which generates nothing
+    return super().step(response)
+
+
 def test_a_slow_environment_does_not_hold_the_engine(model):
-  """One group's environment takes 1.5 s a step; the others' groups, four turns each,
-  all end while it waits, and the slow group still ends whole (the engine's shapes
-  compiled by a first run of the fast groups, so a loaded machine's compiling is not
-  what is timed)."""
+  """One group's environment step lasts until the others' groups (four turns each)
+  have all ended: they end while it waits, and it still ends whole. Held on events,
+  not a sleep, so a loaded machine cannot fail it; an engine held by the slow step
+  would let no fast episode end, and the slow group would end first, after 20 s."""
+  import threading
   eng = engine(model)
-
-  def run_groups(slow: bool) -> list[int]:
-    loop = AgentLoop(eng, AgentConfig(), vocab_size=64, max_new_tokens=SAMPLER.max_new_tokens)
-    if slow:
-      loop.add(0, "slow", [Scripted(turns=1, sleep=1.5)], None, (1,))
-    for g in range(1, 5):
-      loop.add(g, "fast", [Scripted(k=g, turns=4) for _ in range(2)], None, (g, 10 + g))
-    order = [g.group_id for g in loop.run()]
-    loop.close()
-    return order
-
-  run_groups(slow=False)
-  order = run_groups(slow=True)
-  assert order[-1] == 0 and sorted(order) == [0, 1, 2, 3, 4]
+  all_done, done = threading.Event(), {"n": 0, "lock": threading.Lock()}
+  loop = AgentLoop(eng, AgentConfig(), vocab_size=64, max_new_tokens=SAMPLER.max_new_tokens)
+  loop.add(0, "slow", [Waiting(all_done, turns=1)], None, (1,))
+  for g in range(1, 5):
+    loop.add(g, "fast", [Finishing(done, all_done, k=g, turns=4) for _ in range(2)], None,
+             (g, 10 + g))
+  order = [g.group_id for g in loop.run()]
+  loop.close()
+  assert all_done.is_set() and order[-1] == 0 and sorted(order) == [0, 1, 2, 3, 4]
 
 
 @pytest.mark.parametrize("fault,match", [
