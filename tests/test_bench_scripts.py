@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from script_helpers import load_script
 
 
 @pytest.mark.slow
@@ -134,12 +135,7 @@ def test_simulate_script_writes_summary(tmp_path):
 def script(name: str):
   """scripts/<name>.py as a module (its main runs in this process: no interpreter and
   JAX start for a check that needs no job)."""
-  if "scripts" not in sys.path:  # as when run: its sibling scripts import
-    sys.path.insert(0, "scripts")
-  spec = importlib.util.spec_from_file_location(name, f"scripts/{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script(name)
 
 
 def figures(group: str):
@@ -338,10 +334,7 @@ def test_bench_rollout_weights_only_times_both_weight_paths(tmp_path, monkeypatc
   memory and through the old files, each beside a copy of the same bytes, in one run,
   and the shared-memory segments are gone after it."""
   import glob
-  import importlib.util
-  spec = importlib.util.spec_from_file_location("bench_rollout", "scripts/bench_rollout.py")
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+  bench = script("bench_rollout")
   out = tmp_path / "weights.json"
   monkeypatch.setattr(sys, "argv", ["bench_rollout.py", "--engines", "jax", "--weights_only",
                                     "--updates", "2", "--model", "configs/models/tiny_qwen2.gin",

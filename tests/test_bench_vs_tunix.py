@@ -1,22 +1,18 @@
 """scripts/bench_vs_tunix.py: one workload for both sides, read from our gin config;
 the steady rate; the whole comparison at toy size where Tunix's venv is installed."""
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 
 import pytest
+from script_helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _bench():
-  spec = importlib.util.spec_from_file_location(
-      "bench_vs_tunix", os.path.join(ROOT, "scripts", "bench_vs_tunix.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_script("bench_vs_tunix")
 
 
 def test_workloads_come_from_our_configs():

@@ -1,6 +1,5 @@
 """scripts/device_bench.py: the --dry_run writes every figure it promises; MFU and bad flags."""
 import functools
-import importlib.util
 import json
 import math
 import os
@@ -8,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from script_helpers import load_script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b")
@@ -15,12 +15,7 @@ MODELS = ("qwen2_5_0_5b", "qwen2_5_1_5b")
 
 @functools.cache
 def _script():
-  spec = importlib.util.spec_from_file_location("device_bench",
-                                                os.path.join(ROOT, "scripts", "device_bench.py"))
-  mod = importlib.util.module_from_spec(spec)
-  sys.modules[spec.name] = mod  # its dataclasses look their module up
-  spec.loader.exec_module(mod)
-  return mod
+  return load_script("device_bench", register=True)  # its dataclasses look it up
 
 
 def _positive(value, where):

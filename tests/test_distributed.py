@@ -169,12 +169,8 @@ def test_overwrite_and_resume_exclude_each_other(tmp_path, monkeypatch, capsys):
 
 
 def _bench_cluster():
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "bench_cluster", os.path.join(ROOT, "scripts", "bench_cluster.py"))
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  from script_helpers import load_script
+  return load_script("bench_cluster")
 
 
 def test_bench_cluster_cpu_split_attributes_threads():
