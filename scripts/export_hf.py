@@ -28,8 +28,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
 
   from knittrans_jax import gin_cli
   from knittrans_jax.job.config import JobConfig
-  from knittrans_jax.job.setup import model_config
-  from knittrans_jax.models import hf
+  from knittrans_jax import suites
+  from knittrans_jax.models import DecoderConfig, hf
   from knittrans_jax.models.vlm import make_model
   from knittrans_jax.rollout.math_tasks import MathTaskConfig
   from knittrans_jax.train import (Checkpointer, MeshConfig, OptimizerConfig, make_mesh,
@@ -44,7 +44,8 @@ def export(workdir: str, out: str, step: int | None = None, dtype: str | None = 
   cfg = JobConfig()
   if cfg.suite == "vision":
     raise ValueError(f"{workdir} trained the tiny VLM ('vision' suite); only decoders export")
-  model_cfg = model_config(cfg)
+  decoder = DecoderConfig()
+  model_cfg = suites.decoder_config(suites.build(cfg, decoder), cfg.checkpoint, decoder)
   mesh_cfg = MeshConfig()
   mesh = make_mesh(mesh_cfg)
   # The job's optimizer (its state is part of the checkpoint), total_steps as it derived them.

@@ -5,7 +5,9 @@ import pytest
 from knittrans_jax.data import split
 from knittrans_jax.data.prompts import Prompt, PromptDataError, PromptSet
 from knittrans_jax.rollout import tasks, vision_tasks
-from knittrans_jax.rollout.groups import task_for
+from knittrans_jax.models import ViTConfig
+from knittrans_jax.models.vision_spec import VisionSpec
+from knittrans_jax.suites import TextSuite, VisionSuite
 
 EVAL = split.HELD_OUT_GROUP_IDS
 
@@ -17,8 +19,9 @@ def key(task):
 
 @pytest.mark.parametrize("source", tasks.SOURCES)
 def test_text_split_is_disjoint_and_both_sides_are_drawn(source):
-  train = {key(task_for(0, g, source)) for g in range(3000)}
-  held = {key(task_for(1_000_003, EVAL + g, source)) for g in range(300)}
+  text = TextSuite()
+  train = {key(text.task(0, g, source)) for g in range(3000)}
+  held = {key(text.task(1_000_003, EVAL + g, source)) for g in range(300)}
   assert train and held and not train & held
   # Every training draw is on the training side, every evaluation draw held out.
   assert not any(split.held_out(source, np.frombuffer(p, np.int32)) for _, p, _ in train)
@@ -30,9 +33,10 @@ def test_text_split_is_disjoint_and_both_sides_are_drawn(source):
 
 
 def test_vision_split_is_disjoint():
+  vision = VisionSuite(VisionSpec.tiny(ViTConfig(image_size=16, patch_size=4)))
   for source in vision_tasks.SOURCES:
-    train = {key(task_for(0, g, source, "vision", 16)) for g in range(200)}
-    held = {key(task_for(7, EVAL + g, source, "vision", 16)) for g in range(50)}
+    train = {key(vision.task(0, g, source)) for g in range(200)}
+    held = {key(vision.task(7, EVAL + g, source)) for g in range(50)}
     assert not train & held
     assert all(split.held_out(source, np.frombuffer(p, np.int32), np.frombuffer(i, np.uint8))
                for _, p, i in held)

@@ -41,7 +41,9 @@ def test_results_pages_are_dated():
 # Where a gin-configured class may still be built from gin below the root, each with
 # why (issue 62 shrinks this list; a new site fails the test). The root: launch.py
 # (the job), cli.py (the scripts' --check_args) and job/setup.py's job_setup.
-ROOTS = {"knittrans_jax/launch.py", "knittrans_jax/cli.py", "knittrans_jax/job/setup.py"}
+# suites/__init__.py's `build`: the root's choice of suite, with that suite's configs.
+ROOTS = {"knittrans_jax/launch.py", "knittrans_jax/cli.py", "knittrans_jax/job/setup.py",
+         "knittrans_jax/suites/__init__.py"}
 NOT_YET = {
     ("knittrans_jax/cluster/trainer_actors.py", "JobConfig"): "a Ray actor's own process "
     "re-parses the gin config it is sent; next: send it the root's JobSetup",
@@ -82,3 +84,54 @@ def test_gin_configs_are_built_at_the_root():
           found.add((rel, name))
   assert found - set(NOT_YET) == set(), "built from gin below the root"
   assert set(NOT_YET) - found == set(), "gone: take it off NOT_YET"
+
+
+# Where a task family's own code lives: suites/ (a suite), models/ (its networks) and
+# multimodal/ (its steps); and the task generators the suites wrap, still in rollout/.
+FAMILY_CODE = ("knittrans_jax/suites/", "knittrans_jax/models/", "knittrans_jax/multimodal/")
+TASK_MODULES = {f"knittrans_jax/rollout/{m}.py" for m in (
+    "tasks", "vision_tasks", "qwen_vision_tasks", "math_tasks", "math_reward", "agentic_tasks",
+    "skyrl_env")}
+MODALITY_WORDS = {"qwen", "vision", "vlm", "agentic"}
+MODALITY_NAMES = ("multi_turn", "encode_once")
+SUITE_NAMES = {"text", "vision", "math", "agentic", "qwen_vl"}
+MAX_PLACES = 5
+
+
+def _names_a_suite(source: str) -> set[str]:
+  """The suite and modality names in code (not comments or docstrings): identifiers
+  with a modality word (split on '_' and case), and a suite's name as a string on a
+  line that speaks of the suite."""
+  import io
+  import re
+  import tokenize
+  found, lines_ = set(), source.splitlines()
+  for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+    if tok.type == tokenize.NAME:
+      words = {w.lower() for part in tok.string.split("_")
+               for w in re.findall(r"[A-Z]?[a-z0-9]+|[A-Z]+(?![a-z])", part)}
+      if words & MODALITY_WORDS or any(n in tok.string.lower() for n in MODALITY_NAMES):
+        found.add(tok.string)
+    elif tok.type == tokenize.STRING and tok.string.strip("'\"") in SUITE_NAMES:
+      if "suite" in lines_[tok.start[0] - 1]:
+        found.add(tok.string)
+  return found
+
+
+def test_suite_and_modality_names_stay_in_few_places():
+  """Outside a family's own code, at most MAX_PLACES modules name a suite or a modality
+  (issue 62): the job, rollout workers, trainer and data plane take the run's suite
+  object and never branch on which it is."""
+  places = {}
+  for path in glob.glob(os.path.join(ROOT, "knittrans_jax", "**", "*.py"), recursive=True):
+    rel = os.path.relpath(path, ROOT)
+    if rel.startswith(FAMILY_CODE) or rel in TASK_MODULES:
+      continue
+    names = _names_a_suite(open(path).read())
+    if names:
+      places[rel] = sorted(names)
+  print(places)
+  assert len(places) <= MAX_PLACES, places
+  # The trainer, the worker and the data plane are not among them.
+  assert not {"knittrans_jax/job/trainer.py", "knittrans_jax/rollout/worker.py",
+              "knittrans_jax/job/build_trainer.py"} & set(places), places

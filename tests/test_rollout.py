@@ -9,9 +9,11 @@ from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
 from knittrans_jax.rollout import tasks
 from knittrans_jax.rollout.groups import rollout_groups
+from knittrans_jax.suites import TextSuite, VisionSuite
 from knittrans_jax.rollout.sampler import SamplerConfig, generate
 
 CFG = DecoderConfig(vocab_size=64, width=32, depth=2, heads=4, mlp_width=64)
+TEXT = TextSuite()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -123,16 +125,16 @@ def test_a_group_samples_the_same_however_groups_share_a_call():
   graphdef, params = nnx.split(model, nnx.Param)
   requests = [(g, tasks.SOURCES[g % 3]) for g in range(10, 16)]
   cfg = SamplerConfig(max_new_tokens=8)
-  together = rollout_groups(graphdef, params, 0, 7, requests, 4, cfg)
+  together = rollout_groups(graphdef, params, 0, 7, requests, 4, cfg, TEXT)
   apart = [grp for k in range(0, 6, 2)
-           for grp in rollout_groups(graphdef, params, 0, 7, requests[k:k + 2], 4, cfg)]
+           for grp in rollout_groups(graphdef, params, 0, 7, requests[k:k + 2], 4, cfg, TEXT)]
   for a, b in zip(together, apart):
     for x, y in zip(a.trajectories, b.trajectories):
       assert x.group_id == y.group_id and x.reward == y.reward
       np.testing.assert_array_equal(x.response_tokens, y.response_tokens)
       np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
   # ... and different groups (and seeds) do draw differently.
-  other = rollout_groups(graphdef, params, 0, 8, requests, 4, cfg)
+  other = rollout_groups(graphdef, params, 0, 8, requests, 4, cfg, TEXT)
   flat = lambda gs: [t.response_tokens.tolist() for g in gs for t in g.trajectories]  # noqa: E731
   assert flat(other) != flat(together)
   assert len({tuple(r) for r in flat(together)}) > 12
@@ -141,24 +143,24 @@ def test_a_group_samples_the_same_however_groups_share_a_call():
 
 
 def test_the_jax_engine_takes_typed_requests_and_keys_a_response_by_its_seed():
-  """The engine builds from its spec (no suite) and sees requests only: the suite makes
-  each request from a task the caller keeps (the lookup task's tool as a ToolInsert).
-  Its groups equal the colocated reference's, and a response's draws follow its
-  integer seed alone: the same seeds under another group id sample the same."""
+  """The engine builds from its spec (no suite) and sees requests only: the suite gives
+  a task's prompt and its tool (the lookup task's as a ToolInsert). Groups the engine
+  decodes whole equal the colocated reference's one-step episodes, and a response's
+  draws follow its integer seed alone: the same seeds under another group id sample
+  the same."""
   import dataclasses
 
-  from knittrans_jax.rollout.engine import EngineSpec, ToolInsert
+  from knittrans_jax.rollout.engine import EngineSpec, GroupRequest, ToolInsert, response_seeds
   from knittrans_jax.rollout.engines import make_engine
-  from knittrans_jax.rollout.groups import Suite
   with nnx.use_eager_sharding(False):
     model = DecoderLM(CFG, nnx.Rngs(0))
   graphdef, params = nnx.split(model, nnx.Param)
-  suite, cfg = Suite("text"), SamplerConfig(max_new_tokens=8)
+  suite, cfg = TEXT, SamplerConfig(max_new_tokens=8)
   sources = {g: ("lookup", "chain", "count")[g % 3] for g in range(20, 25)}
   held = {g: suite.task(7, g, s) for g, s in sources.items()}
-  reqs = [suite.request(t, 7, g, 3) for g, t in held.items()]
+  reqs = [GroupRequest(g, t.source, np.asarray(suite.prompt(t), np.int32), 3,
+                       response_seeds(7, g, 3), tool=suite.tool(t)) for g, t in held.items()]
   for r, t in zip(reqs, held.values()):
-    assert r.image is None
     if t.source == "lookup":
       assert isinstance(r.tool, ToolInsert) and r.tool.call_token == tasks.CALL
       np.testing.assert_array_equal(r.tool.output, t.tool_output)
@@ -167,13 +169,14 @@ def test_the_jax_engine_takes_typed_requests_and_keys_a_response_by_its_seed():
   spec = EngineSpec("jax", CFG, cfg, seed=7, groups_per_call=2, prompts=suite.prompt_spec)
   engine = make_engine(spec, graphdef, params, 0)
   done = engine.generate(reqs)
-  ref = rollout_groups(graphdef, params, 0, 7, list(sources.items()), 3, cfg)
+  ref = rollout_groups(graphdef, params, 0, 7, list(sources.items()), 3, cfg, suite)
   for g, want in zip(done, ref):
-    rolled = suite.rolled(held[g.request.group_id], g)
-    for x, y in zip(rolled.trajectories, want.trajectories):
-      assert x.reward == y.reward
-      np.testing.assert_array_equal(x.response_tokens, y.response_tokens)
-      np.testing.assert_array_equal(x.loss_mask, y.loss_mask)
+    task = held[g.request.group_id]
+    for r, y in zip(g.responses, want.trajectories):
+      assert suite.score(task, r.tokens) == y.reward
+      np.testing.assert_array_equal(r.tokens, y.response_tokens)
+      mask = np.ones(r.tokens.size, bool) if r.inserted is None else ~r.inserted
+      np.testing.assert_array_equal(mask, y.loss_mask)
   moved = engine.generate([dataclasses.replace(reqs[1], group_id=99)])[0]
   assert [r.tokens.tolist() for r in moved.responses] == [
       r.tokens.tolist() for r in done[1].responses]
@@ -233,7 +236,7 @@ def test_a_vision_group_carries_its_image_hashed_once(monkeypatch):
   monkeypatch.setattr(xxhash, "xxh3_128", lambda *a: hashes.append(a) or xxh3(*a))
   requests = [(g, vision_tasks.SOURCES[g % 3]) for g in range(3)]
   groups = rollout_groups(graphdef, params, 0, 7, requests, 2, SamplerConfig(max_new_tokens=4),
-                          suite="vision", vision=VisionSpec.tiny(vit))
+                          VisionSuite(VisionSpec.tiny(vit)))
   assert len(hashes) == 3
   store = TrajectoryStore.create("memory://rollout_vision", StoreSchema(sources=vision_tasks.SOURCES))
   writer = store.writer("w")

@@ -15,7 +15,8 @@ import pytest
 
 from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
-from knittrans_jax.job.work import StepPlanner, encode_once_slots
+from knittrans_jax.suites import VisionSuite
+from knittrans_jax.job.work import StepPlanner, image_slots
 from knittrans_jax.models import DecoderConfig
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vit import ViTConfig
@@ -79,15 +80,17 @@ def make_trainer(store, vision=False, encode_once=False, centralized=False, cons
     _BUILT[vision] = (fns, state0, EncodeOnceStep(fns, EncodeOnceConfig()) if vision else None)
   fns, state0, eo = _BUILT[vision]
   rm = rows_multiple(fns.mesh, fns.rules)
-  layout = BatchLayout(rows=MICRO, seq_len=SEQ, vocab_size=LM.vocab_size, rows_multiple=rm,
-                       vision=VisionSpec.tiny(VIT) if vision else None)
+  layout = BatchLayout(rows=MICRO, seq_len=SEQ, vocab_size=LM.vocab_size, rows_multiple=rm)
+  suite = VisionSuite(VisionSpec.tiny(VIT))
+  fields = (None if not vision else suite.shared_fields(layout, eo) if encode_once
+            else suite.naive_fields(layout))
   data = (Centralized(local_driver(store)) if centralized else
           OnDemand(store, read=quarantine.read if quarantine else None))
   # A copy: the trainer's steps donate its state.
   trainer = Trainer(fns, jax.tree.map(jnp.copy, state0), data, layout, range(consumers),
-                    encode_once=eo if encode_once else None, vision=vision,
+                    fields=fields, shared_step=eo if encode_once else None,
                     quarantine=quarantine)
-  planner = StepPlanner(consumers, MICRO, image_slots=encode_once_slots(
+  planner = StepPlanner(consumers, MICRO, image_slots=image_slots(
       rm, consumers, G_PER_MB) if encode_once else None)
   return trainer, planner
 

@@ -18,7 +18,8 @@ from hf_helpers import END, IMAGE, START, make_qwen_vl_checkpoint
 from knittrans_jax.job.metrics import read_metrics
 from knittrans_jax.job.trainer import BatchLayout, OnDemand, Trainer
 from knittrans_jax.dataplane.packing import PackLayout
-from knittrans_jax.job.work import StepPlanner, encode_once_slots
+from knittrans_jax.suites import QwenVLSuite
+from knittrans_jax.job.work import StepPlanner, image_slots
 from knittrans_jax.models import qwen_vl
 from knittrans_jax.models.vision_spec import VisionSpec
 from knittrans_jax.models.vlm import make_model
@@ -100,7 +101,7 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   fns = StepFunctions(graphdef, sh, tx, LossConfig(), mesh, rules,
                       forward=naive_qwen_forward(suite.grid))
   shards = rows_multiple(mesh, rules)
-  work = StepPlanner(2, 8, image_slots=encode_once_slots(shards, 2, 2))(
+  work = StepPlanner(2, 8, image_slots=image_slots(shards, 2, 2))(
       MiniBatch(0, 0, groups, 0))
   # A random tiny policy rarely earns a reward, so GRPO's advantages are often all 0:
   # random ones instead, so that every parameter gets a gradient to compare.
@@ -108,23 +109,25 @@ def test_vlm_qwen_encode_once_equals_naive_on_the_runs_store(run, checkpoint):
   work = dataclasses.replace(work, advantages={i: float(rng.normal()) for i in work.advantages})
   assert {m.image_ids[0] for c in work.consumers for k in c for m in k} == {
       g.metas[0].image_ids[0] for g in groups}
-  layout = BatchLayout(rows=8, seq_len=16, vocab_size=config.text.vocab_size, rows_multiple=shards,
-                       vision=spec)
+  layout = BatchLayout(rows=8, seq_len=16, vocab_size=config.text.vocab_size, rows_multiple=shards)
+  qwen = QwenVLSuite(spec)
   grads = {}
   for dedup in (False, True):
     step = EncodeOnceStep(fns, EncodeOnceConfig(), path=QwenVLImages(config.vision.merge)) if dedup else None
-    trainer = Trainer(fns, state, OnDemand(store), layout, [0, 1], encode_once=step, vision=True)
+    fields = qwen.shared_fields(layout, step) if dedup else qwen.naive_fields(layout)
+    trainer = Trainer(fns, state, OnDemand(store), layout, [0, 1], fields=fields,
+                      shared_step=step)
     grads[dedup] = jax.device_get(trainer.step(work, apply=False).grads)
     trainer.close()
   # Packed (JobConfig.packing): two trajectories a row of 32 tokens, M-RoPE per segment.
-  packed = StepPlanner(2, 8, image_slots=encode_once_slots(shards, 2, 2),
+  packed = StepPlanner(2, 8, image_slots=image_slots(shards, 2, 2),
                        pack=PackLayout(row_tokens=32, max_rows=4, row_unit=4))(
       MiniBatch(0, 0, groups, 0))
   packed = dataclasses.replace(packed, advantages=work.advantages)
   assert any(len(set(rows)) < len(rows) for c in packed.rows for rows in c)  # rows shared
   step = EncodeOnceStep(fns, EncodeOnceConfig(), path=QwenVLImages(config.vision.merge))
   trainer = Trainer(fns, state, OnDemand(store), dataclasses.replace(layout, seq_len=32), [0, 1],
-                    encode_once=step, vision=True)
+                    fields=qwen.shared_fields(layout, step), shared_step=step)
   grads["packed"] = jax.device_get(trainer.step(packed, apply=False).grads)
   trainer.close()
   errs = max_rel_err(grads[True], grads[False])

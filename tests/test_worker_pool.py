@@ -8,6 +8,7 @@ import pytest
 from knittrans_jax.job.workers import MAX_COLD_DEATHS, WorkerPool
 from knittrans_jax.models import DecoderConfig
 from knittrans_jax.rollout.sampler import SamplerConfig
+from knittrans_jax.suites import TextSuite
 from knittrans_jax.rollout.worker import WorkerArgs
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 
@@ -18,7 +19,7 @@ def test_a_worker_that_cannot_start_stops_the_pool_with_its_error(tmp_path):
   store = TrajectoryStore.create("file://" + str(tmp_path / "store"), StoreSchema(sources=("s",)))
   args = WorkerArgs(seed=0, n=2, model_config=DecoderConfig(vocab_size=64, width=32, depth=1,
                                                             heads=2, mlp_width=64),
-                    sampler_config=SamplerConfig(), suite="text", vision=None, math=None,
+                    sampler_config=SamplerConfig(), suite=TextSuite(),
                     groups_per_call=1, engine="jax", engine_options=None)
   logs = []
   # The workers are pointed at a store that does not exist: each dies at start.

@@ -73,7 +73,7 @@ class TrainerActor:
     if self.rank == 0:  # what the trainers used (the driver's operative config lacks it)
       gin_cli.save_operative_config(self.workdir, "operative_config_trainer.gin")
     return dict(version=t.version, progress=built.progress, rows_multiple=built.rows_multiple,
-                encode_once=t.encode_once is not None,
+                shared_images=t.shared_step is not None,
                 devices=[str(d) for d in built.mesh.devices.flat], host=host,
                 consumers=list(t.mine))
 
@@ -173,7 +173,7 @@ class RayTrainerGroup:
                        for a in self.actors], "set-up", cfg.startup_timeout_s)
     info = infos[0]
     self.version, self.progress = info["version"], info["progress"]
-    self.rows_multiple, self.encode_once = info["rows_multiple"], info["encode_once"]
+    self.rows_multiple, self.shared_images = info["rows_multiple"], info["shared_images"]
     host_of = {c: i["host"] for i in infos for c in i["consumers"]}
     self.consumer_host = tuple(host_of[c] for c in range(consumers))  # the planner's locality
     self.devices = tuple(info["devices"])  # the trainers' mesh, every process's devices

@@ -16,14 +16,9 @@ from flax import nnx
 
 from knittrans_jax.dataplane.centralized import local_driver
 from knittrans_jax.job.metrics import StepFlops
-from knittrans_jax.job.setup import JobSetup, checkpoint_dir, pack_layout, prefix_tokens
+from knittrans_jax.job.setup import JobSetup, checkpoint_dir, pack_layout
 from knittrans_jax.job.trainer import BatchLayout, Centralized, OnDemand, Trainer
-from knittrans_jax.models import hf, qwen_vl
 from knittrans_jax.models.flops import matmul_params, peak_flops
-from knittrans_jax.models.vlm import make_model
-from knittrans_jax.multimodal import (EncodeOnceStep, PrefixImages, QwenVLImages,
-                                      check_deterministic, naive_qwen_forward,
-                                      naive_vlm_forward)
 from knittrans_jax.rollout.weights import WeightPublisher
 from knittrans_jax.storage import TrajectoryStore
 from knittrans_jax.storage.quarantine import QuarantiningReader
@@ -31,7 +26,6 @@ from knittrans_jax.mesh import logical_sharding, make_mesh
 from knittrans_jax.train import (Checkpointer, StepFunctions, abstract_state, init_train_state,
                                  make_optimizer)
 from knittrans_jax.train.batch import rows_multiple as mesh_rows_multiple
-from knittrans_jax.train.step import text_forward
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +49,13 @@ class Placement:
 
 
 def make_model_fn(setup: JobSetup):
-  return lambda rngs: make_model(setup.model, setup.vision, rngs)
+  return lambda rngs: setup.suite.make_model(setup.model, rngs)
 
 
 def step_flops(setup: JobSetup, devices: int, device_kind: str | None) -> StepFlops | None:
   """The step's model FLOPs counter for a decoder policy (None for a VLM: the formula
   counts a decoder); `device_kind` None: no MFU (the trainers' devices unknown here)."""
-  if setup.vision is not None:
+  if not setup.suite.decoder_only:
     return None
   with nnx.use_eager_sharding(False):
     model = nnx.eval_shape(lambda: make_model_fn(setup)(nnx.Rngs(0)))
@@ -73,31 +67,20 @@ def step_flops(setup: JobSetup, devices: int, device_kind: str | None) -> StepFl
 
 def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: Placement,
                  resume: bool) -> BuiltTrainer:
-  cfg, qwen = setup.cfg, setup.qwen
-  vision = cfg.suite == "vision"
-  encode_once = vision and cfg.encode_once
+  cfg, suite = setup.cfg, setup.suite
   model_fn = make_model_fn(setup)
-  path = QwenVLImages(qwen.model.vision.merge) if qwen is not None else PrefixImages()
-  if encode_once:  # refuses dropout with the reason (encoding once would change it)
-    with nnx.use_eager_sharding(False):
-      check_deterministic(nnx.eval_shape(lambda: model_fn(nnx.Rngs(0))), path.encoder_keys)
-  elif vision and qwen is None and setup.vision.vit.dropout:
-    raise ValueError(f"ViTConfig.dropout = {setup.vision.vit.dropout}: the trainer keeps no "
-                     "dropout rng state; set it to 0")
+  suite.check_step(setup, model_fn)
   ckpt = Checkpointer(checkpoint_dir(workdir), setup.checkpoint)
   mesh, rules = make_mesh(setup.mesh), setup.mesh.rules
   tx = make_optimizer(setup.optimizer)
   params = None
   if cfg.checkpoint and not (resume and ckpt.latest_step() is not None):
     m = setup.model
-    load = qwen_vl.load if qwen is not None else hf.load
-    model, _ = load(cfg.checkpoint, m.dtype, mesh=mesh, rules=rules, param_dtype=m.param_dtype,
+    model, _ = suite.load()(cfg.checkpoint, m.dtype, mesh=mesh, rules=rules, param_dtype=m.param_dtype,
                     remat=m.remat, attention=m.attention)
     params = nnx.state(model, nnx.Param)
   graphdef, state, shardings = init_train_state(model_fn, tx, mesh, rules, cfg.seed, params=params)
-  forward = (naive_qwen_forward(qwen.grid) if qwen is not None
-             else naive_vlm_forward() if vision else text_forward)
-  fns = StepFunctions(graphdef, shardings, tx, setup.loss, mesh, rules, forward=forward)
+  fns = StepFunctions(graphdef, shardings, tx, setup.loss, mesh, rules, forward=suite.forward())
   # The KL term's reference: a frozen copy of the initial (or loaded) weights, taken
   # before any checkpoint is restored, so a resumed run keeps the same reference.
   reference = jax.tree.map(jnp.copy, state.params) if fns.needs_reference else None
@@ -119,11 +102,13 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
   version = int(jax.device_get(state.version))  # once; the trainer counts on the host
   packed_rows = ()
   if cfg.packing:  # the plan's per-consumer row counts, for this process's consumers
-    shapes = pack_layout(cfg, where.consumers, rows_multiple, prefix_tokens(setup)).shapes()
+    shapes = pack_layout(cfg, where.consumers, rows_multiple, suite.prefix_tokens).shapes()
     packed_rows = tuple(r * per_process for r in shapes)
   layout = BatchLayout(rows=cfg.micro_batch_size // P, seq_len=cfg.seq_len,
                        vocab_size=setup.model.vocab_size, rows_multiple=rows_multiple // P,
-                       vision=setup.vision, packed_rows=packed_rows)
+                       packed_rows=packed_rows)
+  # The suite's batch fields and, for encode-once, its mini-batch step.
+  fields, shared_step = suite.train_parts(fns, layout, setup)
   # Shared memory when the host has room for the versions (rollout/weights.py).
   sync = setup.weights.resolve(cfg.cluster, setup.weights.wire_bytes(state.params, setup.model))
   # A damaged unit is quarantined, not fatal: its readable rows and every other
@@ -134,8 +119,7 @@ def make_trainer(setup: JobSetup, workdir: str, store: TrajectoryStore, where: P
           if cfg.data_path == "ondemand" else Centralized(local_driver(store)))
   trainer = Trainer(
       fns, state, data, layout, range(p * per_process, (p + 1) * per_process),
-      encode_once=EncodeOnceStep(fns, setup.encode_once, path=path) if encode_once else None,
-      vision=vision, version=version, quarantine=quarantine, checkpointer=ckpt,
+      fields=fields, shared_step=shared_step, version=version, quarantine=quarantine, checkpointer=ckpt,
       publisher=WeightPublisher(workdir, process=p, version=version, sync=sync,
                                 dtype=setup.weights.wire_dtype(setup.model)),
       process=p, processes=P, reference=reference)

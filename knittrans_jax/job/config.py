@@ -129,9 +129,6 @@ class JobConfig:
                        "fraction in [0, 1)")
     if self.data_path not in ("ondemand", "centralized"):
       raise ValueError(f"JobConfig.data_path = {self.data_path!r}: use 'ondemand' or 'centralized'")
-    if self.suite not in ("text", "vision", "math", "agentic"):
-      raise ValueError(f"JobConfig.suite = {self.suite!r}: use 'text', 'vision', 'math' or "
-                       "'agentic'")
     if self.policy not in POLICIES:
       raise ValueError(f"JobConfig.policy = {self.policy!r}: use one of {sorted(POLICIES)}")
     if self.dispatch not in DISPATCH_POLICIES:

@@ -38,7 +38,7 @@ from knittrans_jax.job.metrics import MetricsLog, StepFlops
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.reclaim import WatermarkPublisher
 from knittrans_jax.job.roles import RolloutPool, TrainerHandle, TrainerLost
-from knittrans_jax.job.setup import JobSetup, make_admission, make_planner, prefix_tokens
+from knittrans_jax.job.setup import JobSetup, make_admission, make_planner
 from knittrans_jax.storage import TrajectoryStore, UnitWriter
 
 
@@ -53,7 +53,7 @@ class Driver:
     each step's model FLOPs and MFU in metrics.jsonl (build_trainer.step_flops)."""
     self.setup, self.cfg, self.workdir = setup, setup.cfg, workdir
     self.step_seconds: list[float] = []  # per step: launch to fetched, plus publishing
-    self.prefix_tokens = prefix_tokens(setup)  # the tiny VLM's image positions a row
+    self.prefix_tokens = setup.suite.prefix_tokens  # the tiny VLM's image positions a row
     self.row_tokens = setup.cfg.seq_len + self.prefix_tokens  # a row's positions, image too
     self.trainers, self.store, self.evaluator, self.processes = trainers, store, evaluator, processes
     # A unit's host as its writer registered it, looked up once per unit.

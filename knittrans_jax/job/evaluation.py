@@ -16,7 +16,7 @@ import gin
 import numpy as np
 
 from knittrans_jax.data import split
-from knittrans_jax.rollout.groups import Suite, rollout_groups
+from knittrans_jax.rollout.groups import rollout_groups
 
 HELD_OUT = split.HELD_OUT_GROUP_IDS
 
@@ -40,13 +40,9 @@ class EvalConfig:
 
 class Evaluator:
 
-  def __init__(self, config: EvalConfig, graphdef, sampler, suite: str, sources, seed: int,
-               vision=None, math=None, agent=None):
-    """`vision`: the run's VisionSpec (models/vision_spec.py) for the vision suite;
-    `agent`: the agentic suite's AgentSource (rollout/groups.py)."""
+  def __init__(self, config: EvalConfig, graphdef, sampler, suite, sources, seed: int):
+    """`suite`: the run's task suite (suites/)."""
     self.config, self.graphdef, self.suite = config, graphdef, suite
-    self.vision, self.math, self.agent = vision, math, agent
-    self.tasks = Suite(suite, math, vision, agent)
     self.sources, self.train_seed = tuple(sources), seed
     self.seed = seed + config.seed_offset
     # Held-out group ids start at 2^31, far above any id training dispatches.
@@ -56,7 +52,7 @@ class Evaluator:
                      "sampled": dataclasses.replace(sampler, greedy=False)}
 
   def _prompt_key(self, seed: int, group_id: int, source: str) -> bytes:
-    task = self.tasks.task(seed, group_id, source)
+    task = self.suite.task(seed, group_id, source)
     image = getattr(task, "image", None)
     return b"|".join([source.encode(), np.asarray(task.prompt).tobytes(),
                       b"" if image is None else np.asarray(image).tobytes()])
@@ -78,6 +74,6 @@ class Evaluator:
     out = {}
     for name, sampler in self.samplers.items():
       groups = rollout_groups(self.graphdef, params, version, self.seed, self.requests, 1,
-                              sampler, self.suite, self.math, self.vision, self.agent)
+                              sampler, self.suite)
       out[name] = float(np.mean([g.trajectories[0].reward for g in groups]))
     return out

@@ -42,8 +42,7 @@ class LocalRun:
 
       def generate(requests):  # with the trainer's current weights
         return rollout_groups(built.graphdef, trainer.state.params, trainer.version, cfg.seed,
-                              requests, cfg.spec.group_size, setup.sampler, cfg.suite,
-                              setup.math, setup.vision, setup.agent)
+                              requests, cfg.spec.group_size, setup.sampler, setup.suite)
       return ColocatedPool(generate, store.writer("colocated"))
     return WorkerPool(self.driver.workdir, self.store_url, workers=cfg.workers,
                       worker_args=worker_args(self.setup), store=store)

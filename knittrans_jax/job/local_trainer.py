@@ -14,7 +14,7 @@ class LocalTrainer:
   def __init__(self, built: BuiltTrainer, workdir: str, host: str):
     self.trainer, self.workdir = built.trainer, workdir
     self.progress, self.rows_multiple = built.progress, built.rows_multiple
-    self.encode_once = self.trainer.encode_once is not None
+    self.shared_images = self.trainer.shared_step is not None
     self.consumer_host = (host,) * len(self.trainer.mine)  # every consumer is in this process
 
   @property

@@ -58,7 +58,7 @@ class TrainerHandle(Protocol):
   version, `progress` the controller's saved state (None: a fresh run)."""
   progress: dict | None
   rows_multiple: int  # the mesh's batch shards: rows per micro-batch split this way
-  encode_once: bool  # the encode-once VLM step (the planner plans its image slots)
+  shared_images: bool  # the step shares image slots per mini-batch (encode-once: planned)
   consumer_host: tuple[str, ...]  # each consumer's host (the planner's locality)
 
   @property

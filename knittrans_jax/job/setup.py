@@ -23,49 +23,19 @@ from knittrans_jax.admission.dispatch import DispatchStream, make_dispatch
 from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.job.evaluation import EvalConfig, Evaluator
-from knittrans_jax.job.work import StepPlanner, encode_once_slots
+from knittrans_jax.job.work import StepPlanner, image_slots
 from knittrans_jax.mesh import MeshConfig
-from knittrans_jax.models import DecoderConfig, ViTConfig, hf, qwen_vl
-from knittrans_jax.models.vision_spec import VisionSpec
+from knittrans_jax.models import DecoderConfig
 from knittrans_jax.multimodal.encode_once import EncodeOnceConfig
 from knittrans_jax.rl import LossConfig
-from knittrans_jax.rollout import tasks
-from knittrans_jax.rollout.groups import AgentSource, MathSource, suite_prompt_len, suite_sources
-from knittrans_jax.rollout.agent_loop import AgentConfig
-from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
-from knittrans_jax.rollout.math_tasks import MathTaskConfig
-from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTaskConfig, QwenVisionTasks
+from knittrans_jax import suites
+from knittrans_jax.suites import TaskSuite
 from knittrans_jax.rollout.sampler import SamplerConfig
 from knittrans_jax.rollout.weights import WeightSyncConfig
 from knittrans_jax.rollout.worker import WorkerArgs
 from knittrans_jax.storage import StoreSchema, TrajectoryStore
 from knittrans_jax.train import CheckpointConfig, Checkpointer
 from knittrans_jax.train.optimizer import OptimizerConfig
-
-
-def model_config(cfg: JobConfig) -> DecoderConfig:
-  """The policy's config: gin's DecoderConfig, or with JobConfig.checkpoint its
-  config.json's architecture under gin's dtype, param_dtype, remat and attention."""
-  d = DecoderConfig()
-  if not cfg.checkpoint:
-    return d
-  kw = dict(dtype=d.dtype, param_dtype=d.param_dtype, remat=d.remat, attention=d.attention)
-  if cfg.suite == "vision":  # a Qwen-VL checkpoint (JobConfig checked): its language model
-    return qwen_vl.config_from_hf(hf.read_config(cfg.checkpoint), **kw).text
-  return hf.config_from_hf(hf.read_config(cfg.checkpoint), **kw)
-
-
-def vision_spec(cfg: JobConfig) -> VisionSpec | None:
-  """The policy's vision path (models/vision_spec.py): None for text, JobConfig.checkpoint's
-  Qwen-VL model under gin's dtype, param_dtype, remat and attention, or the tiny VLM."""
-  if cfg.suite != "vision":
-    return None
-  if not cfg.checkpoint:
-    return VisionSpec.tiny(ViTConfig())
-  d = DecoderConfig()
-  return VisionSpec.from_qwen_checkpoint(
-      cfg.checkpoint, QwenVisionTaskConfig().image_size, dtype=d.dtype, param_dtype=d.param_dtype,
-      remat=d.remat, attention=d.attention)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,9 +48,7 @@ class JobSetup:
   model: DecoderConfig
   sampler: SamplerConfig
   loss: LossConfig
-  vision: VisionSpec | None  # the vision path: model, batch layout, workers, sampler
-  qwen: QwenVisionTasks | None  # a Qwen-VL checkpoint's tasks
-  math: MathSource | None
+  suite: TaskSuite  # the task family (suites/): tasks, environments, model, batch fields
   sources: tuple[str, ...]  # the suite's
   trained_sources: tuple[str, ...]  # the quota's, or the whole suite without one
   prompt_len: int
@@ -91,15 +59,11 @@ class JobSetup:
   encode_once: EncodeOnceConfig
   weights: WeightSyncConfig  # how weights travel
   engine_options: object | None = None  # VllmOptions / VllmServerOptions (the vLLM engines)
-  agent: AgentSource | None = None  # the agentic suite's tasks and agent loop
 
   @property
   def max_sequence_len(self) -> int:
-    """The longest trajectory (prompt and response): an episode's context is at most
-    AgentConfig.max_tokens; one response at most max_new_tokens after its prompt."""
-    if self.agent is not None:
-      return self.agent.loop.max_tokens
-    return self.prompt_len + self.sampler.max_new_tokens
+    """The longest trajectory (prompt and response; an episode's whole context)."""
+    return self.suite.max_sequence_len(self.sampler)
 
   @property
   def synchronous(self) -> bool:
@@ -110,29 +74,16 @@ class JobSetup:
 
 def job_setup(cfg: JobConfig) -> JobSetup:
   """Derives and checks the run's parts from `cfg` (and the gin config of each part)."""
-  sampler = SamplerConfig()
-  math = None
-  if cfg.suite == "math":
-    mcfg = MathTaskConfig()
-    tok_dir = mcfg.tokenizer or cfg.checkpoint
-    if tok_dir is None:
-      raise ValueError("JobConfig.suite = 'math' needs a tokenizer: set JobConfig.checkpoint "
-                       "or MathTaskConfig.tokenizer")
-    math = MathSource(mcfg, tok_dir, cfg.seed)
-    # The checkpoint's EOS and stop tokens end each response.
-    sampler = dataclasses.replace(sampler, stop_tokens=math.suite().tokenizer.stop_ids)
-  vision = vision_spec(cfg)
-  qwen = QwenVisionTasks.of(vision)
-  sources = suite_sources(cfg.suite, math)
+  decoder = DecoderConfig()
+  suite = suites.build(cfg, decoder)
+  sampler = suite.sampler(SamplerConfig())  # a tokenizer's stop tokens end each response
+  sources = suite.sources
   quota = cfg.spec.source_quota
-  agent = (AgentSource(AgenticTaskConfig(), AgentConfig()) if cfg.suite == "agentic"
-           else None)
   setup = JobSetup(
-      cfg=cfg, model=model_config(cfg), sampler=sampler, loss=LossConfig(), vision=vision,
-      qwen=qwen, math=math, sources=sources,
-      trained_sources=tuple(quota) if quota else sources,
-      prompt_len=qwen.prompt_len if qwen is not None else suite_prompt_len(cfg.suite, math),
-      agent=agent, weights=WeightSyncConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig(),
+      cfg=cfg, model=suites.decoder_config(suite, cfg.checkpoint, decoder), sampler=sampler,
+      loss=LossConfig(), suite=suite, sources=sources,
+      trained_sources=tuple(quota) if quota else sources, prompt_len=suite.prompt_len,
+      weights=WeightSyncConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig(),
       optimizer=OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches),
       evaluation=EvalConfig(), encode_once=EncodeOnceConfig())
   setup.weights.resolve(cfg.cluster)  # a transport the cluster cannot serve fails here
@@ -157,20 +108,15 @@ def job_setup(cfg: JobConfig) -> JobSetup:
 
 
 def _check_model_and_tasks(s: JobSetup) -> None:
-  cfg = s.cfg
-  vocab = s.math.suite().tokenizer.vocab_size if s.math else tasks.VOCAB_SIZE
-  if s.model.vocab_size < vocab:
+  cfg, vocab = s.cfg, s.suite.vocab_size
+  if vocab is not None and s.model.vocab_size < vocab:
     raise ValueError(f"DecoderConfig.vocab_size = {s.model.vocab_size} < the tasks' "
                      f"vocabulary {vocab}")
-  if s.math:
-    s.math.suite().check_lengths()  # an over-long prompt is an error now, not mid-run
-  if s.agent is not None:
-    _check_agent(s)
+  s.suite.check(s)
   if cfg.seq_len < s.max_sequence_len:
-    longest = (f"AgentConfig.max_tokens = {s.max_sequence_len}, an episode's longest context"
-               if s.agent is not None else
-               f"prompt {s.prompt_len} + max_new_tokens {s.sampler.max_new_tokens}")
-    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < {longest}")
+    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < the longest trajectory, "
+                     f"{s.max_sequence_len} tokens (prompt {s.prompt_len} + SamplerConfig."
+                     f"max_new_tokens {s.sampler.max_new_tokens}, or AgentConfig.max_tokens)")
   if s.model.max_positions < s.max_sequence_len:
     raise ValueError(f"DecoderConfig.max_positions = {s.model.max_positions} < the longest "
                      f"trajectory, {s.max_sequence_len} tokens")
@@ -185,23 +131,6 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"SamplerConfig.temperature = {s.sampler.temperature}: the "
                      "importance ratio would compare log-probs at two temperatures; set both "
                      "to the same value")
-
-
-def _check_agent(s: JobSetup) -> None:
-  """The agentic suite's budgets and fault injection, checked before any worker starts."""
-  loop, tasks_ = s.agent.loop, s.agent.tasks
-  if loop.max_tokens < s.prompt_len + s.sampler.max_new_tokens:
-    raise ValueError(f"AgentConfig.max_tokens = {loop.max_tokens} cannot hold a prompt of "
-                     f"{s.prompt_len} and one turn of SamplerConfig.max_new_tokens = "
-                     f"{s.sampler.max_new_tokens}")
-  if tasks_.fault_rate and tasks_.hang_s <= loop.step_timeout_s:
-    raise ValueError(f"AgenticTaskConfig.hang_s = {tasks_.hang_s:g} must exceed "
-                     f"AgentConfig.step_timeout_s = {loop.step_timeout_s:g}: an injected hang "
-                     "must time out")
-  if tasks_.fault_rate and s.cfg.mode == "colocated":
-    raise ValueError("AgenticTaskConfig.fault_rate with JobConfig.mode = 'colocated': the "
-                     "colocated generator has no worker to replace a failed group (a failed "
-                     "environment stops it); inject faults in the other modes")
 
 
 def checkpoint_dir(workdir: str) -> str:
@@ -241,30 +170,25 @@ def create_store(setup: JobSetup, url: str) -> TrajectoryStore:
 def worker_args(setup: JobSetup) -> WorkerArgs:
   cfg = setup.cfg
   return WorkerArgs(seed=cfg.seed, n=cfg.spec.group_size, model_config=setup.model,
-                    sampler_config=setup.sampler, suite=cfg.suite, vision=setup.vision,
-                    math=setup.math, groups_per_call=cfg.groups_per_call, engine=cfg.engine,
-                    engine_options=setup.engine_options, agent=setup.agent,
-                    weights=setup.weights)
+                    sampler_config=setup.sampler, suite=setup.suite,
+                    groups_per_call=cfg.groups_per_call, engine=cfg.engine,
+                    engine_options=setup.engine_options, weights=setup.weights)
 
 
 def make_planner(setup: JobSetup, consumers: int, trainers,
                  unit_host: Callable[[str], str] | None) -> StepPlanner:
   """Plans each admitted mini-batch over `consumers` (the trainers' handle gives the
-  mesh's batch shards, whether the step encodes images once, each consumer's host)."""
+  mesh's batch shards, whether the step shares an input per mini-batch (encode-once's
+  image slots), each consumer's host)."""
   cfg = setup.cfg
   return StepPlanner(
       consumers, cfg.micro_batch_size, setup.loss.normalize_adv_std,
-      image_slots=(encode_once_slots(trainers.rows_multiple, consumers, cfg.spec.mini_batch_groups)
-                   if trainers.encode_once else None),
+      image_slots=(image_slots(trainers.rows_multiple, consumers, cfg.spec.mini_batch_groups)
+                   if trainers.shared_images else None),
       consumer_host=trainers.consumer_host, unit_host=unit_host,
       locality_tolerance=cfg.locality_tolerance,
-      pack=(pack_layout(cfg, consumers, trainers.rows_multiple, prefix_tokens(setup))
+      pack=(pack_layout(cfg, consumers, trainers.rows_multiple, setup.suite.prefix_tokens)
             if cfg.packing else None))
-
-
-def prefix_tokens(setup: JobSetup) -> int:
-  """Positions the tiny VLM's image takes before each trajectory's text (0 otherwise)."""
-  return setup.vision.prefix_tokens if setup.vision is not None else 0
 
 
 def pack_layout(cfg, consumers: int, rows_multiple: int, prefix: int = 0) -> PackLayout:
@@ -298,9 +222,5 @@ def make_evaluator(setup: JobSetup, graphdef) -> Evaluator | None:
   eval_cfg = setup.evaluation
   if not eval_cfg.every_steps:
     return None
-  if setup.qwen is not None:
-    raise ValueError("EvalConfig.every_steps: held-out evaluation of a Qwen-VL policy is "
-                     "not built yet; set it to 0")
-  cfg = setup.cfg
-  return Evaluator(eval_cfg, graphdef, setup.sampler, cfg.suite, setup.trained_sources, cfg.seed,
-                   setup.vision, setup.math, setup.agent)
+  return Evaluator(eval_cfg, graphdef, setup.sampler, setup.suite, setup.trained_sources,
+                   setup.cfg.seed)

@@ -24,19 +24,16 @@ waits for the devices to finish the work already dispatched (compute could not
 start earlier), so what remains is time the devices sat idle for data: the design
 notes' data-ready minus compute-could-start.
 
-Steps: text, the naive VLM step (images in every row) or the encode-once step
-(multimodal/, image slots read once per mini-batch, first in the segment). Gradient
-and metric sums stay on the devices; the version is counted on the host. With
-a Qwen-VL `BatchLayout.vision` the stored images go through its image
-processor here: encode-once packs the consumers' unique images for the tower and
-each micro-batch carries M-RoPE positions and embed_index; the naive step carries
-every row's own pixel_values (multimodal/qwen_images.py).
+Steps: micro-batch by micro-batch (the suite's batch fields beside the common batch:
+suites/base.py's BatchFields, e.g. the naive VLM step's images), or a `shared_step`
+over the whole mini-batch whose micro-batches share one input read first in the
+segment (multimodal/'s encode-once step: each image slot read and encoded once).
+Gradient and metric sums stay on the devices; the version is counted on the host.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import json
 import os
 from typing import Any, Callable, Sequence
@@ -50,11 +47,8 @@ from knittrans_jax.dataplane.centralized import CentralizedReads
 from knittrans_jax.job.batching import build_batch, build_packed_batch, segment_spans
 from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
-from knittrans_jax.models.vision_spec import VisionSpec
-from knittrans_jax.multimodal import (EncodeOnceStep, ImagePack, PackedImages, QwenImageInputs,
-                                      image_fields, packed_image_fields, read_owned_images,
-                                      read_slot_images)
 from knittrans_jax.storage import TrajectoryStore
+from knittrans_jax.suites.base import BatchFields
 from knittrans_jax.train import Checkpointer, StepFunctions, TrainState, check_batch, put_batch
 from knittrans_jax.train.batch import batch_shardings
 from knittrans_jax.types import Payload
@@ -82,36 +76,14 @@ class Centralized:
 @dataclasses.dataclass(frozen=True)
 class BatchLayout:
   """Static shapes of this trainer's micro-batches: `rows` per micro-batch (its
-  consumers' rows), `seq_len` tokens per row; `vision` (models/vision_spec.py) for a
-  VLM: the stored image's shape and, for Qwen-VL, the processor and image grid."""
+  consumers' rows), `seq_len` tokens per row."""
   rows: int
   seq_len: int
   vocab_size: int
   rows_multiple: int = 1  # batch shards this trainer's rows split over
-  vision: VisionSpec | None = None
   # JobConfig.packing: every row count this trainer's packed micro-batches can have,
   # each compiled at the first step, so no step meets a new shape mid-run.
   packed_rows: tuple[int, ...] = ()
-
-  @property
-  def image_shape(self) -> tuple[int, int, int] | None:
-    return self.vision.image_shape if self.vision is not None else None
-
-  @functools.cached_property
-  def qwen(self) -> QwenImageInputs | None:
-    """Qwen-VL (multimodal/qwen_images.py): stored images -> the tower's inputs."""
-    v = self.vision
-    return QwenImageInputs(v.qwen, v.processor) if v is not None and v.qwen is not None else None
-
-  @property
-  def prefix_tokens(self) -> int:
-    """The tiny VLM's image positions before each row's text (0 otherwise)."""
-    return self.vision.prefix_tokens if self.vision is not None else 0
-
-  @property
-  def image_grid(self) -> tuple[int, int, int] | None:
-    """Qwen-VL: the (t, h, w) grid every image of the run has (the naive step's static shape)."""
-    return self.vision.grid if self.vision is not None else None
 
 
 @dataclasses.dataclass
@@ -130,41 +102,47 @@ class StepResult:
 
 @dataclasses.dataclass
 class _Segment:
-  """A fed step's host-side state: rows to skip for images that could not be read."""
+  """A fed step's host-side state: each row's slot of the shared input, rows to skip
+  for images that could not be read, what the fields' shared read left (`pack`:
+  Qwen-VL's, where each image's rows of E are)."""
   work: StepWork
   slot_of: dict = dataclasses.field(default_factory=dict)
   missing: set = dataclasses.field(default_factory=set)
-  pack: ImagePack | None = None  # Qwen-VL encode-once: where each image's rows of E are
+  pack: Any = None
 
 
 class Trainer:
 
   def __init__(self, fns: StepFunctions, state: TrainState, data: OnDemand | Centralized,
                layout: BatchLayout, mine: Sequence[int] = (0,), *,
-               encode_once: EncodeOnceStep | None = None, vision: bool = False,
+               fields: BatchFields | None = None, shared_step=None,
                version: int | None = None, quarantine=None,
                checkpointer: Checkpointer | None = None, publisher=None,
                process: int = 0, processes: int = 1, log: Callable[[str], None] = print,
                reference=None):
-    """reference: the frozen parameters of the KL term's reference policy (needed,
-    and only allowed, when the loss has LossConfig.kl_coef > 0)."""
+    """fields: the suite's batch fields (suites/base.py; None: the common batch only);
+    shared_step: a mini-batch step over a shared input (EncodeOnceStep), with fields
+    that read it; reference: the frozen parameters of the KL term's reference policy
+    (needed, and only allowed, when the loss has LossConfig.kl_coef > 0)."""
+    fields = BatchFields() if fields is None else fields
     if fns.needs_reference and reference is None:
       raise ValueError(f"LossConfig.kl_coef = {fns.loss.kl_coef}: the trainer needs the reference "
                        "policy's parameters (`reference`); the job passes its initial ones")
-    if reference is not None and encode_once is not None:
+    if reference is not None and shared_step is not None:
       raise ValueError("LossConfig.kl_coef > 0 with the encode-once VLM step is not built yet; "
                        "set kl_coef = 0 or EncodeOnceConfig off")
+    if (shared_step is not None) != fields.shared:
+      raise ValueError(f"{type(fields).__name__} with shared_step {shared_step!r}: a mini-batch "
+                       "step needs fields that read its shared input, and only it")
+    fields.check(processes)
     self.reference = reference
     self.fns, self.state, self.layout, self.mine = fns, state, layout, list(mine)
-    self.encode_once, self.vision = encode_once, vision
+    self.fields, self.shared_step = fields, shared_step
     self.quarantine, self.checkpointer, self.publisher = quarantine, checkpointer, publisher
     self.process, self.processes, self.log = process, processes, log
     # The one device read of the version; from here it is counted on the host.
     self.version = int(jax.device_get(state.version)) if version is None else version
     self._batch_sh = None
-    if layout.qwen is not None and processes > 1:
-      raise ValueError(f"{processes} trainer processes: the Qwen-VL steps run in one trainer "
-                       "process for now (each process would pack only its consumers' images)")
     if isinstance(data, OnDemand):
       self.reads = OnDemandReads(data.store, read=data.read, unit_host=data.unit_host,
                                  host=data.host)
@@ -183,9 +161,9 @@ class Trainer:
     seg = _Segment(work)
     micros = work.local_micro_batches(self.mine)
     self.read_ids.extend(m.id for micro in micros for m in micro)
-    reads = self.reads.segment(micros, read_images=self.encode_once is None)
+    reads = self.reads.segment(micros, read_images=not self.fields.shared)
     jobs = []
-    if self.encode_once is not None:
+    if self.fields.shared:
       if work.images is None:
         raise ValueError(f"step {work.key}: the encode-once trainer needs the work's image plan")
       # Slot numbers are global when the trainer processes hold every consumer (the
@@ -198,7 +176,8 @@ class Trainer:
       base = 0 if everyone else self.mine[0] * work.images.slots_per_consumer
       seg.slot_of = {m.id: work.images.index[c][k][i] - base for c in self.mine
                      for k, micro in enumerate(work.consumers[c]) for i, m in enumerate(micro)}
-      jobs.append(("the image slots", lambda: self._read_slots(seg, reads.read)))
+      jobs.append(("the image slots",
+                   lambda: self.fields.read_shared(seg, reads.read, self.mine)))
     # Each job runs on the stream's thread: read (host data), prepare, put on the devices.
     jobs += [(describe(k, micro),
               lambda k=k: self._put(self._prepare(seg, reads.micro_batch(k), k)))
@@ -223,10 +202,10 @@ class Trainer:
     fns, params = self.fns, self.state.params
     total = jnp.float32(work.total_tokens)
     sums = None
-    if self.encode_once is not None:
+    if self.shared_step is not None:
       images = self._take()
       micros = (self._take() for _ in range(work.num_micro_batches))  # read as asked for
-      grads, sums = self.encode_once.mini_batch_grads(
+      grads, sums = self.shared_step.mini_batch_grads(
           params, images, micros, total, on_dispatch=lambda acc_e: setattr(self, "_last", acc_e))
     else:
       grads = fns.zero_grads(params)
@@ -273,30 +252,6 @@ class Trainer:
       self._batch_sh = batch_shardings(self.fns.mesh, self.fns.rules, batch)
     return put_batch(batch, self._batch_sh)
 
-  def _read_slots(self, seg: _Segment, read) -> jax.Array:
-    """This trainer's image slots (its consumers' side by side), on the devices."""
-    if self.layout.qwen is not None:
-      return self._read_qwen_pack(seg, read)
-    slots = np.concatenate([read_slot_images(read, seg.work.images, c, self.layout.image_shape,
-                                             missing=seg.missing) for c in self.mine])
-    return jax.make_array_from_process_local_data(self.encode_once.images_sharding, slots)
-
-  def _read_qwen_pack(self, seg: _Segment, read) -> PackedImages:
-    """Qwen-VL: this trainer's consumers' unique images, read once each, processed and
-    packed for the tower (multimodal/qwen_images.py); the pack's shape is fixed by the
-    plan's slots per consumer at the run's image grid, so the step does not recompile."""
-    lay, plan = self.layout, seg.work.images
-    images = {}
-    for c in self.mine:
-      images.update(read_owned_images(read, plan, c))
-    per_image = lay.qwen.merged(lay.image_grid)
-    unit = lay.rows_multiple // np.gcd(lay.rows_multiple, len(self.mine))
-    seg.pack, packed = lay.qwen.encode_once_images(
-        plan, images, self.mine, unit, plan.slots_per_consumer * per_image, seg.missing)
-    pv = jax.make_array_from_process_local_data(self.encode_once.images_sharding,
-                                                packed.pixel_values)
-    return PackedImages(pv, packed.grid)
-
   def _prepare(self, seg: _Segment, payload: Payload, k: int) -> dict:
     """Local micro-batch k's payload -> the step's static-shape host arrays
     (right-padded, or packed as the plan says)."""
@@ -310,10 +265,11 @@ class Trainer:
       payload = Payload([payload.metas[i] for i in keep], [payload.tokens[i] for i in keep],
                         [payload.logprobs[i] for i in keep], [payload.loss_mask[i] for i in keep],
                         payload.images)
-    packed = seg.work.packed
-    if packed:  # the tiny VLM's image before each segment's text (encode-once only)
+    spans = None
+    if seg.work.packed:  # the tiny VLM's image before each segment's text (encode-once only)
       rows, row_of = seg.work.local_rows(self.mine, k)
-      P, row_tokens = lay.prefix_tokens, lay.seq_len + lay.prefix_tokens
+      P = self.fields.prefix_tokens
+      row_tokens = lay.seq_len + P
       spans = segment_spans(payload, row_of, row_tokens, rows, P)  # Qwen-VL's M-RoPE too
       batch = build_packed_batch(payload, seg.work.advantages, row_of, row_tokens, rows, P,
                                  seg.slot_of if P else None, spans)
@@ -325,29 +281,7 @@ class Trainer:
             f"trajectory {m.id}: its loss mask has {int(np.count_nonzero(mask))} tokens of 1 but its "
             f"metadata counts {m.trained_tokens} (loss_tokens={m.loss_tokens}, response_len="
             f"{m.response_len}): the store's row and its payload disagree")
-    if lay.qwen is not None and packed:  # M-RoPE restarting per segment
-      batch.update(packed_image_fields(batch["tokens"], spans,
-                                       [m.image_ids for m in payload.metas], seg.pack,
-                                       lay.qwen.model))
-    elif lay.qwen is not None:
-      rows = [m.image_ids for m in payload.metas] + [()] * (lay.rows - len(payload.metas))
-      if self.encode_once is not None:  # each image-pad token's row of the mini-batch's E
-        batch.update(image_fields(batch["tokens"], batch["attention_mask"], rows, seg.pack,
-                                  lay.qwen.model))
-      else:  # the naive step: every row's own copy of its image's pixel_values
-        batch.update(lay.qwen.naive_fields(
-            batch["tokens"], batch["attention_mask"],
-            [payload.images[r[0]] if r else None for r in rows], lay.image_grid, {}))
-    elif self.encode_once is not None:
-      if not packed:  # packed rows carry embed_index (build_packed_batch)
-        index = np.zeros(lay.rows, np.int32)  # padding rows: any slot, no loss
-        index[:len(payload.metas)] = [seg.slot_of[m.id] for m in payload.metas]
-        batch["image_index"] = index
-    elif self.vision:  # the naive step: the image copied into every row
-      images = np.zeros((lay.rows, *lay.image_shape), np.float32)
-      for i, m in enumerate(payload.metas):
-        images[i] = payload.images[m.image_ids[0]]
-      batch["images"] = images
+    self.fields.add(batch, payload, seg, spans)
     check_batch(batch, lay.vocab_size, lay.rows_multiple)
     return batch
 

@@ -103,7 +103,7 @@ class StepPlanner:
                     rows=plan.rows, micro_rows=plan.micro_rows)
 
 
-def encode_once_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:
+def image_slots(rows_multiple: int, consumers: int, mini_batch_groups: int) -> tuple[int, int]:
   """(slot_multiple, min_slots) for StepPlanner.image_slots: each process's slots
   split over its batch shards; at least one slot per group of a consumer's share."""
   return (rows_multiple // math.gcd(rows_multiple, consumers),

@@ -247,6 +247,17 @@ class QwenImageInputs:
     t, h, w = grid
     return t * h * w // self.model.vision.merge ** 2
 
+  def prefill(self, tokens, valid, images: Sequence[np.ndarray], index) -> dict:
+    """The sampler's prefill inputs (rollout/sampler.py): the U stored `images`
+    processed and packed, each row's M-RoPE positions and rope delta, and the image
+    rows its pad tokens take (row i holds image index[i])."""
+    done = [self.pixels(im) for im in images]
+    pack = pack_images({str(u): g for u, (_, g) in enumerate(done)}, self.model.vision.merge)
+    positions, embed_index, delta = image_positions(
+        tokens, valid, [(str(int(u)),) for u in index], pack, self.model)
+    return dict(images=pack.images({str(u): pv for u, (pv, _) in enumerate(done)}, np.float32),
+                positions=positions, rope_delta=delta, embed_index=embed_index)
+
   def encode_once_images(self, plan: ImagePlan, images: Mapping[str, np.ndarray],
                          consumers: Sequence[int], unit_multiple: int, min_rows: int,
                          missing: set) -> tuple[ImagePack, PackedImages]:

@@ -25,6 +25,11 @@ one-turn episode samples what the single-turn path samples).
 A group is reported when its last episode ends; one failed episode (the environment
 raised, timed out or returned what the loop cannot use) fails its group, with the
 reason, and the group's other turns are discarded as they come back.
+
+Single-turn tasks are episodes of one step (suites/base.py's OneStepEnv), `inline`
+environments (pure scorers) called on the loop's thread, so every group added before
+a `step` is sent in it. A group's `tool` (the engine inserts its output mid-response,
+rollout/tasks.py's 'lookup') goes with its requests; inserted tokens get loss mask 0.
 """
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ from typing import Any, Callable
 import gin
 import numpy as np
 
-from knittrans_jax.rollout.engine import GroupRequest, RolloutEngine
+from knittrans_jax.rollout.engine import GroupRequest, RolloutEngine, ToolInsert
 from knittrans_jax.types import TurnSpan
 from knittrans_jax.rollout.environment import (Environment, EnvironmentError, checked_ids,
                                                checked_step)
@@ -79,7 +84,9 @@ class Turn:
   the (first, last) weight version that generated them, the observation the
   environment answered with (empty after the last turn) and the seconds the turn's
   engine request (from sent to answered: waiting behind other episodes' turns
-  included, as the episode waits) and its environment step took."""
+  included, as the episode waits) and its environment step took; `inserted` the
+  tokens a tool inserted mid-turn (None: none), `engine_s` the engine's own time for
+  the request (FinishedGroup.seconds: None when it included compilation)."""
   tokens: np.ndarray
   logprobs: np.ndarray
   versions: tuple[int, int]
@@ -87,6 +94,8 @@ class Turn:
   observation: np.ndarray
   gen_s: float
   env_s: float
+  inserted: np.ndarray | None = None
+  engine_s: float | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +121,8 @@ class Episode:
     for t in self.turns:
       toks += [t.tokens, t.observation]
       lps += [t.logprobs, np.zeros(t.observation.size, np.float32)]
-      mask += [np.ones(t.tokens.size, bool), np.zeros(t.observation.size, bool)]
+      mask += [np.ones(t.tokens.size, bool) if t.inserted is None
+               else ~np.asarray(t.inserted, bool), np.zeros(t.observation.size, bool)]
     return (np.concatenate(toks).astype(np.int32), np.concatenate(lps).astype(np.float32),
             np.concatenate(mask))
 
@@ -146,11 +156,20 @@ class FailedGroup:
 
 
 class _Call:
-  """An environment call on the pool; `started` is set when a thread runs it."""
+  """An environment call on the pool; `started` is set when a thread runs it. An
+  `inline` environment's call runs here, on the caller's thread (a pure scorer)."""
 
-  def __init__(self, pool: cf.ThreadPoolExecutor, fn: Callable, *args):
+  def __init__(self, pool: cf.ThreadPoolExecutor, fn: Callable, *args, inline: bool = False):
     self.submitted, self.started = time.perf_counter(), None
     self.seconds = 0.0
+    if inline:
+      self.started, self.future = self.submitted, cf.Future()
+      try:
+        self.future.set_result(fn(*args))
+      except Exception as e:  # noqa: BLE001 (named by the loop, as a pooled call's)
+        self.future.set_exception(e)
+      self.seconds = time.perf_counter() - self.started
+      return
 
     def run():
       self.started = time.perf_counter()
@@ -173,7 +192,8 @@ class _Episode:
   env_s: float = 0.0
   call: _Call | None = None  # the environment call in flight
   generating: bool = False  # a turn is in the engine
-  pending: tuple | None = None  # the turn the call answers (tokens, logprobs, versions, reason, gen_s)
+  # the turn the call answers: (tokens, logprobs, versions, reason, gen_s, inserted, engine_s)
+  pending: tuple | None = None
   end: str | None = None
   info: dict = dataclasses.field(default_factory=dict)
   closed: bool = False
@@ -188,6 +208,7 @@ class _Group:
   added: float
   seq: int  # which add this is (a turn of an earlier group of the same id is not ours)
   image: np.ndarray | None = None
+  tool: ToolInsert | None = None
 
 
 class AgentLoop:
@@ -211,18 +232,20 @@ class AgentLoop:
 
   # ---- the caller's side ----------------------------------------------------------
   def add(self, group_id: int, source: str, envs: list[Environment], task,
-          seeds: tuple[int, ...], image: np.ndarray | None = None) -> None:
-    """Starts one group: episode i in environment envs[i], sampling with seeds[i]."""
+          seeds: tuple[int, ...], image: np.ndarray | None = None,
+          tool: ToolInsert | None = None) -> None:
+    """Starts one group: episode i in environment envs[i], sampling with seeds[i];
+    `image` and `tool` go with each of its requests (GroupRequest)."""
     if group_id in self.groups:
       raise ValueError(f"group {group_id} is already in the agent loop")
     if len(envs) != len(seeds):
       raise ValueError(f"group {group_id}: {len(envs)} environments for {len(seeds)} seeds")
     self._adds += 1
     g = _Group(group_id, source, task, [_Episode(e, s) for e, s in zip(envs, seeds)],
-               time.perf_counter(), self._adds, image)
+               time.perf_counter(), self._adds, image, tool)
     self.groups[group_id] = g
     for ep in g.episodes:
-      ep.call = _Call(self.pool, ep.env.reset, task)
+      ep.call = _Call(self.pool, ep.env.reset, task, inline=_inline(ep.env))
     if self._since is None:
       self._since = time.perf_counter()
 
@@ -342,7 +365,7 @@ class AgentLoop:
                                f"within AgentConfig.max_tokens = {cfg.max_tokens}")
       ep.context = [int(t) for t in ep.prompt]
       return
-    tokens, logprobs, versions, reason, gen_s = ep.pending
+    tokens, logprobs, versions, reason, gen_s, inserted, engine_s = ep.pending
     ep.pending = None
     got = checked_step(name, step, result, self.vocab_size)
     ep.reward += got.reward
@@ -351,7 +374,8 @@ class AgentLoop:
             or len(ep.context) + tokens.size + got.observation.size + self.max_new_tokens
             > cfg.max_tokens)
     obs = np.zeros(0, np.int32) if last else got.observation
-    ep.turns.append(Turn(tokens, logprobs, versions, reason, obs, gen_s, seconds))
+    ep.turns.append(Turn(tokens, logprobs, versions, reason, obs, gen_s, seconds, inserted,
+                         engine_s))
     ep.context += [int(t) for t in tokens] + [int(t) for t in obs]
     if last:
       ep.end = ("done" if got.done else "max_turns" if len(ep.turns) >= cfg.max_turns
@@ -393,7 +417,8 @@ class AgentLoop:
           self._turns[rid] = (g.group_id, g.seq, i, time.perf_counter())
           ep.generating = True
           requests.append(GroupRequest(rid, g.source, np.asarray(ep.context, np.int32), 1,
-                                       (turn_seed(ep.seed, len(ep.turns)),), image=g.image))
+                                       (turn_seed(ep.seed, len(ep.turns)),), image=g.image,
+                                       tool=g.tool))
     if requests:
       self.engine.add(requests)
 
@@ -405,8 +430,9 @@ class AgentLoop:
     ep, r = g.episodes[i], fg.responses[0]
     ep.generating = False
     ep.pending = (np.asarray(r.tokens, np.int32), np.asarray(r.logprobs, np.float32),
-                  tuple(r.versions), r.finish_reason, time.perf_counter() - sent)
-    ep.call = _Call(self.pool, ep.env.step, ep.pending[0])
+                  tuple(r.versions), r.finish_reason, time.perf_counter() - sent, r.inserted,
+                  fg.seconds)
+    ep.call = _Call(self.pool, ep.env.step, ep.pending[0], inline=_inline(ep.env))
 
   def _ended(self) -> list[EpisodeGroup]:
     out = []
@@ -417,3 +443,8 @@ class AgentLoop:
             Episode(ep.prompt, tuple(ep.turns), ep.reward, ep.end, ep.env_s, ep.info)
             for ep in g.episodes), time.perf_counter() - g.added))
     return out
+
+
+def _inline(env: Environment) -> bool:
+  """Whether the environment's calls run on the loop's thread (Environment.inline)."""
+  return bool(getattr(env, "inline", False))

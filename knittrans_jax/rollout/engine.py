@@ -31,8 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # types only: this module loads neither JAX nor the image processor
-  from knittrans_jax.multimodal.qwen_images import QwenImageInputs
+if TYPE_CHECKING:  # types only: this module does not load JAX
   from knittrans_jax.rollout.sampler import SamplerConfig
 
 ENGINES = ("jax", "vllm", "vllm_server")
@@ -95,7 +94,7 @@ class PromptSpec:
   None: a request's image is a VLM's float image. `banned`: ids that belong in prompts
   only and are never sampled (the vision special tokens)."""
   length: int | None = None
-  image_inputs: QwenImageInputs | None = None
+  image_inputs: Any = None  # its `prefill` (multimodal/qwen_images.py's QwenImageInputs)
   banned: tuple[int, ...] = ()
 
 

@@ -51,6 +51,9 @@ class Environment(abc.ABC):
   """One episode's environment. `name` is what errors and metrics call it."""
 
   name: str = "environment"
+  # A pure, instant environment (a single-turn task's scorer): the agent loop calls
+  # it on its own thread, not the pool, so a step sends every ready episode at once.
+  inline: bool = False
 
   @abc.abstractmethod
   def reset(self, task) -> np.ndarray:

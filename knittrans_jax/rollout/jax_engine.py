@@ -5,7 +5,7 @@ A static batch: each step takes up to `groups_per_call` queued groups and decode
 in one sampler call, so every group of a step finishes with the step's longest
 response (`groups_per_call = 1`: each group on its own longest response). The
 reference backend (parity, the colocated and synchronous modes, held-out evaluation)
-and the only one for the vision suites (a VLM's image, Qwen-VL's M-RoPE prefill).
+and the only one for images (a VLM's, prefilled with a processor's M-RoPE inputs).
 Weights are swapped between calls: every response of a step has one version.
 
 With `EngineSpec.rows_per_call` (agentic turns) a step takes queued requests up to
@@ -61,9 +61,9 @@ def generate_groups(graphdef, params, version: int, requests: list[GroupRequest]
       raise ValueError(f"groups {[r.group_id for r in requests if r.image is None]} have no "
                        "image where the others of the call have one")
     stored = [r.image for r in requests]
-    qwen = prompts.image_inputs
-    extra = dict(images=stored if qwen is not None else np.stack(stored), image_index=index,
-                 qwen=qwen)
+    inputs = prompts.image_inputs  # a processor (Qwen-VL) takes the stored images as they are
+    extra = dict(images=stored if inputs is not None else np.stack(stored), image_index=index,
+                 image_inputs=inputs)
   tools = [r.tool for r in requests]
   if any(t is not None for t in tools):  # multi-turn tasks: rows without a tool get -1s
     calls = {t.call_token for t in tools if t is not None}

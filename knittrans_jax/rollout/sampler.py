@@ -22,6 +22,7 @@ probability mass at each token (<= 1), not 1.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from functools import partial
 
 import gin
@@ -30,7 +31,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from knittrans_jax.multimodal.qwen_images import QwenImageInputs, image_positions, pack_images
 
 
 @gin.configurable
@@ -166,7 +166,7 @@ def left_pad(prompts: list[np.ndarray], pad_id: int = 0,
 def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
              config: SamplerConfig, prompt_len: int | None = None,
              images: np.ndarray | None = None, image_index: np.ndarray | None = None,
-             qwen: QwenImageInputs | None = None, banned: tuple[int, ...] = (),
+             image_inputs: Any = None, banned: tuple[int, ...] = (),
              tool_outputs: np.ndarray | None = None, call_token: int | None = None
              ) -> list[Sampled]:
   """Samples one response per prompt: a `Sampled` each (tokens, behaviour log-probs).
@@ -178,24 +178,18 @@ def generate(graphdef, params, prompts: list[np.ndarray], rng: jax.Array,
   result's `inserted` is then True on the tool's tokens (what the loss mask leaves out).
 
   `rng`: one key (split into one per row) or one key per prompt. For a VLM, `images`
-  [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. For
-  Qwen-VL (`qwen`, the stored images' processor) `images` are the U stored images
-  (any sizes) and row i's prompt holds image_index[i]'s run of image-pad tokens; the
-  M-RoPE positions and each row's rope delta come from the host (qwen_vl.prefill).
+  [U, H, W, C] are encoded once each and row i sees images[image_index[i]]. With
+  `image_inputs` (Qwen-VL's processor of the stored images) `images` are the U stored
+  images (any sizes) and row i's prompt holds image_index[i]'s run of image-pad tokens;
+  the M-RoPE positions and each row's rope delta come from the host (its `prefill`).
   `banned` token ids are never sampled (their probability is 0 in the behaviour
   log-probs too, like tokens outside the top-p nucleus): the vision special tokens,
   which in a response would read as an image with no pixels."""
   tokens, valid = left_pad(prompts, length=prompt_len)
   extra = {}
-  if qwen is not None:
+  if image_inputs is not None:
     index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
-    done = [qwen.pixels(im) for im in images]
-    pack = pack_images({str(u): g for u, (_, g) in enumerate(done)}, qwen.model.vision.merge)
-    positions, embed_index, delta = image_positions(
-        tokens, valid, [(str(int(u)),) for u in index], pack, qwen.model)
-    extra = dict(mrope=dict(
-        images=pack.images({str(u): pv for u, (pv, _) in enumerate(done)}, np.float32),
-        positions=positions, rope_delta=delta, embed_index=embed_index))
+    extra = dict(mrope=image_inputs.prefill(tokens, valid, images, index))
   elif images is not None:
     index = np.arange(len(prompts)) if image_index is None else np.asarray(image_index)
     extra = dict(images=jnp.asarray(images), image_index=jnp.asarray(index, jnp.int32))

@@ -1,14 +1,12 @@
 """A rollout worker process: prompts in, trajectories to its own storage unit,
 metadata out. Picks up the newest published weights between engine steps.
 
-The worker hands every queued group to its rollout engine (rollout/engine.py: 'jax',
-a static batch per step; 'vllm', continuous batching) and reports each group the
-step its last response finishes.
-
-Multi-turn suites (`Suite.multi_turn`, the 'agentic' suite) run their groups'
-episodes on an agent loop over the same engine (rollout/agent_loop.py): a group is
-reported when its last episode ends, and a group whose environment failed is
-reported as `GroupFailed` with the reason (the controller replaces it).
+Every group's n episodes run on an agent loop (rollout/agent_loop.py) over the
+worker's rollout engine (rollout/engine.py: 'jax', a static batch of rows per step;
+'vllm', continuous batching); a single-turn task is an episode of one step (its
+suite's scorer, suites/base.py). A group is reported when its last episode ends, and
+a group whose environment failed is reported as `GroupFailed` with the reason (the
+controller replaces it).
 
 Messages: requests are (group_id, source); reports are `GroupDone` (a committed
 group's metadata; `seconds` is its time in the engine: its decode time, without the
@@ -59,26 +57,21 @@ class WorkerError:
 class WorkerArgs:
   """What every rollout worker of a run is built from (picklable: sent to worker
   processes and Ray actors). `n`: the group size; `model_config`: the decoder's
-  DecoderConfig; `sampler_config`: rollout/sampler.SamplerConfig; `suite`: the task
-  suite's name (rollout/groups.SUITES); `vision`: the run's VisionSpec (the 'vision'
-  suite) or None; `math`: rollout/groups.MathSource (the 'math' suite) or None;
-  `groups_per_call`: the 'jax' engine's static batch (JobConfig.groups_per_call);
+  DecoderConfig; `sampler_config`: rollout/sampler.SamplerConfig; `suite`: the run's
+  task suite (suites/: its tasks, environments and model); `groups_per_call`: the
+  'jax' engine's static batch, in groups of n rows (JobConfig.groups_per_call);
   `engine`: the backend (rollout/engine.ENGINES); `engine_options`: its options
-  (VllmOptions for 'vllm', VllmServerOptions for 'vllm_server') or None; `agent`:
-  rollout/groups.AgentSource (the 'agentic' suite) or None; `weights`: the run's
-  rollout/weights.WeightSyncConfig (its dtype and checks; None: leaves as the trainer
-  holds them, crc32c checked)."""
+  (VllmOptions for 'vllm', VllmServerOptions for 'vllm_server') or None; `weights`:
+  the run's rollout/weights.WeightSyncConfig (its dtype and checks; None: leaves as
+  the trainer holds them, crc32c checked)."""
   seed: int
   n: int
   model_config: Any
   sampler_config: Any
-  suite: str
-  vision: Any
-  math: Any
+  suite: Any
   groups_per_call: int
   engine: str
   engine_options: Any
-  agent: Any = None
   weights: Any = None
 
 
@@ -126,39 +119,34 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
   from knittrans_jax import cpu_profile
   from knittrans_jax.cpu_profile import phase
   cpu_profile.start(f"worker{worker_id}", compute_phase="engine")
-  from knittrans_jax.models.vlm import make_model
-  from knittrans_jax.rollout.agent_loop import EpisodeGroup, FailedGroup
-  from knittrans_jax.rollout.engine import EngineSpec, PromptSpec
+  from knittrans_jax.rollout.agent_loop import FailedGroup
+  from knittrans_jax.rollout.engine import EngineSpec
   from knittrans_jax.rollout.engines import make_engine
-  from knittrans_jax.rollout.groups import Suite
   from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
   from knittrans_jax.rollout.weights import wire_template
   from knittrans_jax.storage import TrajectoryStore
 
   try:
-    a, seed = args, args.seed
+    a, seed, suite = args, args.seed, args.suite
     with nnx.use_eager_sharding(False):  # shapes only: the weights come from the trainer
-      model = nnx.eval_shape(lambda: make_model(a.model_config, a.vision, nnx.Rngs(0)))
+      model = nnx.eval_shape(lambda: suite.make_model(a.model_config, nnx.Rngs(0)))
     graphdef, template = nnx.split(model, nnx.Param)
     sync = a.weights
     if sync is not None:  # the engine's dtype, as the trainer publishes it
       template = wire_template(template, sync.wire_dtype(a.model_config))
     weights = WeightSubscriber(workdir, template, verify=sync is None or sync.verify)
     writer = TrajectoryStore.open(store_url).writer(f"worker{worker_id}", host=host)
-    tasks = Suite(a.suite, a.math, a.vision, a.agent)
-    # Agentic turns (n = 1 requests) batch by rows on the JAX engine: as many
-    # responses a call as groups_per_call groups have.
-    rows = a.groups_per_call * a.n if tasks.multi_turn else None
+    # Each episode's turn is a request of n = 1: the JAX engine's static batch is
+    # groups_per_call groups' rows.
     spec = EngineSpec(a.engine, a.model_config, a.sampler_config, seed, a.groups_per_call,
                       a.engine_options, os.path.join(workdir, "engines", f"worker{worker_id}"),
-                      tasks.prompt_spec if not tasks.multi_turn else PromptSpec(),
-                      rows_per_call=rows, index=worker_id)
-    rollout = runner = None  # built on the first published weights
+                      suite.prompt_spec, rows_per_call=a.groups_per_call * a.n, index=worker_id)
+    engine = loop = None  # built on the first published weights
     held: dict[int, Any] = {}  # group id -> its task, which scores the finished group
     parent = multiprocessing.parent_process()
     while not stop.is_set():
       # Take what is queued; wait a little for it only while the engine is idle.
-      batch, idle = [], runner is None or not runner.busy
+      batch, idle = [], loop is None or not loop.busy
       try:
         with phase("controller"):
           batch.append(requests.get(timeout=0.2) if idle else requests.get_nowait())
@@ -172,49 +160,44 @@ def worker_main(worker_id: int, workdir: str, store_url: str, args: WorkerArgs, 
       with phase("publish"):
         update = weights.poll()  # sync point: between engine steps
         if update is not None:
-          if rollout is None:
-            rollout = make_engine(spec, graphdef, update[1], update[0])
-            # What steps: the engine itself, or an agent loop over it.
-            runner = tasks.agent_loop(rollout, a.sampler_config) if tasks.multi_turn else rollout
+          if engine is None:
+            engine = make_engine(spec, graphdef, update[1], update[0])
+            loop = suite.agent_loop(engine, a.sampler_config)
           else:
-            rollout.update_weights(*update)
-      if rollout is None:
+            engine.update_weights(*update)
+      if engine is None:
         if batch:
           raise RuntimeError("no published weights to generate with")
         continue
       with phase("engine"):
         for gid, source in batch:
-          held[gid] = tasks.task(seed, gid, source)
-          if tasks.multi_turn:
-            tasks.start(runner, held[gid], seed, gid, a.n)
-        if not tasks.multi_turn:
-          rollout.add([tasks.request(held[gid], seed, gid, a.n) for gid, _ in batch])
-      # Engine steps (a vLLM step takes milliseconds) until the next look at the queue,
+          held[gid] = suite.task(seed, gid, source)
+          suite.start(loop, held[gid], seed, gid, a.n)
+      # Loop steps (a vLLM step takes milliseconds) until the next look at the queue,
       # the weights and `stop`.
       deadline = time.perf_counter() + POLL_S
-      while runner.busy:
+      while loop.busy:
         with phase("engine"):
-          finished = runner.step()
+          finished = loop.step()
         for group in finished:
+          task = held.pop(group.group_id)
           if isinstance(group, FailedGroup):
-            held.pop(group.group_id)
             reports.put(GroupFailed(worker_id, group.group_id, group.reason))
             continue
-          gid = group.group_id if isinstance(group, EpisodeGroup) else group.request.group_id
           with phase("engine"):  # scoring
-            rolled = tasks.rolled(held.pop(gid), group)
+            rolled = suite.rolled(task, group)
           # The group's image is stored once, however many responses share it.
           with phase("store_write"):
             metas = writer.append(rolled.trajectories, images=rolled.images)  # committed, then reported
           with phase("controller"):
-            reports.put(GroupDone(worker_id, gid, tuple(metas), group.seconds))
+            reports.put(GroupDone(worker_id, group.group_id, tuple(metas), suite.seconds(group)))
           cpu_profile.loop_started()  # (the first group's compilation is start-up)
         if time.perf_counter() > deadline:
           break
-    if runner is not None and runner is not rollout:
-      runner.close()
-    if rollout is not None:
-      rollout.close()
+    if loop is not None:
+      loop.close()
+    if engine is not None:
+      engine.close()
   except Exception:  # reported, then the process exits non-zero
     reports.put(WorkerError(worker_id, traceback.format_exc()))
     raise
