@@ -19,7 +19,6 @@ import hashlib
 import json
 import os
 import statistics
-import time
 import zlib
 
 import numpy as np
@@ -30,16 +29,12 @@ try:  # only this comparison uses it: pip install blake3==1.0.11
 except ImportError:
   blake3 = None
 
+from knittrans_jax.bench.timing import time_calls
 from knittrans_jax.storage import image_id
 
 
 def _median_s(fn, reps: int) -> float:
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  return statistics.median(time_calls(fn, reps))
 
 
 def bench(nbytes: int, reps: int, seed: int = 0) -> dict:

@@ -44,8 +44,6 @@ import multiprocessing as mp
 import os
 import queue
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -53,90 +51,11 @@ import numpy as np
 from tqdm import tqdm
 
 from knittrans_jax import cli
+from knittrans_jax.bench.multimodal_sweep import sweep
+from knittrans_jax.bench.multimodal_workload import (VOCAB, build_store, model_flops, qwen_suite,
+                                                     vlm_configs)
 
-VOCAB = 64
 VARIANTS = ("baseline", "dedup_only", "ondemand_only", "knittrans")
-
-
-def qwen_suite(a):
-  """--model's vision inputs (rollout/qwen_vision_tasks.py), or None (the tiny VLM)."""
-  if not a.model:
-    return None
-  from knittrans_jax.models.vision_spec import VisionSpec
-  from knittrans_jax.rollout.qwen_vision_tasks import QwenVisionTasks
-  return QwenVisionTasks(VisionSpec.from_qwen_checkpoint(a.model, a.image))
-
-
-def build_store(root, args, seed=0):
-  from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
-  from knittrans_jax.types import GroupInfo, MiniBatch, Trajectory
-  rng = np.random.default_rng(seed)
-  qwen = qwen_suite(args)
-  store = TrajectoryStore.create("file://" + root, StoreSchema(
-      sources=("vqa",), max_prompt_len=args.seq + (qwen.prompt_len if qwen else 0),
-      max_response_len=args.seq))
-  writers = [store.writer(f"producer{p}", host=f"host{p % 2}") for p in range(4)]
-  batches = []
-  for k in range(args.mini_batches):
-    groups = []
-    for g in range(args.prompts):
-      gid = k * args.prompts + g
-      P = args.seq // 4
-      prompt = rng.integers(2, VOCAB, P, dtype=np.int32)
-      if qwen is None:
-        img = Image.of(rng.random((args.image, args.image, 3), dtype=np.float32))
-      else:  # a uint8 image as a data set holds it; its image-pad run before the text
-        img = Image.of(rng.integers(0, 256, (args.image, args.image, 3), dtype=np.uint8))
-        prompt = np.concatenate([[qwen.vision_start], [qwen.model.image_token_id] *
-                                 qwen.image_tokens, [qwen.vision_end], prompt]).astype(np.int32)
-      trajs = []
-      for i in range(args.n):
-        R = int(np.clip(rng.lognormal(np.log(args.seq / 2), 0.4), 4, args.seq - P))
-        trajs.append(Trajectory(prompt_tokens=prompt,
-                                response_tokens=rng.integers(2, VOCAB, R, dtype=np.int32),
-                                logprobs=-rng.uniform(3.5, 4.5, R).astype(np.float32),
-                                loss_mask=np.ones(R, bool), reward=float(rng.random()),
-                                source="vqa", group_id=gid, index_in_group=i, versions=(0,),
-                                image_ids=(img.id,)))
-      metas = writers[gid % len(writers)].append(trajs, images=[img])
-      groups.append(GroupInfo(gid, "vqa", sum(m.length for m in metas), 0,
-                              rewards=tuple(m.reward for m in metas), metas=tuple(metas)))
-    batches.append(MiniBatch(0, k, tuple(groups), 0))
-  return store, batches
-
-
-def vlm_configs(a):
-  from knittrans_jax.models import DecoderConfig, ViTConfig
-  vit = ViTConfig(image_size=a.image, patch_size=a.patch, width=a.vit_width, depth=2, heads=4,
-                  mlp_width=2 * a.vit_width, merge=a.merge)
-  lm = DecoderConfig(vocab_size=VOCAB, width=a.lm_width, depth=2, heads=4, mlp_width=2 * a.lm_width)
-  return vit, lm
-
-
-def model_flops(a) -> dict:
-  """Forward FLOPs from XLA's cost analysis: the encoder (ViT + projector) on one
-  image, the backbone (decoder with the image tokens as prefix) on one row. The
-  encoder's share of the naive step's compute is about e / (e + b) (backward ~ 2x
-  forward for both)."""
-  import jax
-  import jax.numpy as jnp
-  from flax import nnx
-
-  from knittrans_jax.models.vlm import VLM
-  vit, lm = vlm_configs(a)
-  with nnx.use_eager_sharding(False):
-    graphdef, params = nnx.split(nnx.eval_shape(lambda: VLM(vit, lm, nnx.Rngs(0))), nnx.Param)
-
-  def flops(fn, *args):
-    cost = jax.jit(fn).lower(params, *args).compile().cost_analysis()
-    return float((cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"])
-  e = flops(lambda p, x: nnx.merge(graphdef, p).encode(x),
-            jax.ShapeDtypeStruct((1, a.image, a.image, 3), jnp.float32))
-  b = flops(lambda p, x, t, m: nnx.merge(graphdef, p).decode(x, t, m),
-            jax.ShapeDtypeStruct((1, vit.num_tokens, lm.width), jnp.float32),
-            jax.ShapeDtypeStruct((1, a.seq), jnp.int32), jax.ShapeDtypeStruct((1, a.seq), jnp.bool_))
-  return {"encoder_fwd_per_image": e, "backbone_fwd_per_row": b, "encoder_share_naive": e / (e + b),
-          "vit_tokens": vit.num_patches, "lm_image_tokens": vit.num_tokens}
 
 
 def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
@@ -156,6 +75,7 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
                                       naive_vlm_forward)
   from knittrans_jax.rl import LossConfig
   from knittrans_jax.storage import TrajectoryStore
+  from knittrans_jax.suites import QwenVLSuite, VisionSuite
   from knittrans_jax.train import (MeshConfig, OptimizerConfig, StepFunctions, init_train_state,
                                    make_mesh, make_optimizer)
 
@@ -188,15 +108,17 @@ def consumer(rank, store_url, works, args_dict, conn, results, go, ready):
     return StepFunctions(graphdef, sh, tx, LossConfig(), mesh, mesh_cfg.rules, forward=forward)
   fns = fns_with(naive_forward())
   steps = {False: None, True: EncodeOnceStep(fns, EncodeOnceConfig(), path=path)}
-  layout = BatchLayout(rows=a.micro, seq_len=seq, vocab_size=vocab,
-                       vision=spec)
+  layout = BatchLayout(rows=a.micro, seq_len=seq, vocab_size=vocab)
+  suite = VisionSuite(spec) if qwen is None else QwenVLSuite(spec)  # the trainer's image fields
   store = TrajectoryStore.open(store_url)
   for unit in store.units():
     store.reader(unit)
 
   def trainer(data, dedup, f=fns, step=None):
-    return Trainer(f, jax.tree.map(jnp.copy, state0), data, layout, [rank], vision=True,
-                   encode_once=(step or steps[True]) if dedup else None)
+    step = (step or steps[True]) if dedup else None
+    fields = suite.shared_fields(layout, step) if dedup else suite.naive_fields(layout)
+    return Trainer(f, jax.tree.map(jnp.copy, state0), data, layout, [rank], fields=fields,
+                   shared_step=step)
 
   # -- exactness and encoder counts (untimed; compiles the counted variants) -------
   calls = EncoderCalls()
@@ -345,76 +267,6 @@ def print_point(out):
         f"{out['encoder_forwards']['knittrans']}")
 
 
-SWEEP = [  # (name, overrides): one knob at a time around the default
-    ("n", "n", [2, 4, 8, 16]),
-    ("image", "image", [224, 336, 448, 560]),
-    ("vit_width", "vit_width", [32, 64, 128]),
-    ("lm_width", "lm_width", [64, 128, 256, 512]),
-]
-
-
-def sweep(args):
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
-  points, done = [], {}
-  # Finished points are kept next to the JSON until the sweep completes, so an
-  # interrupted sweep resumes where it stopped.
-  cache_path = os.path.splitext(args.json)[0] + ".points.jsonl"
-  if os.path.exists(cache_path):
-    with open(cache_path) as f:
-      for line in f:
-        rec = json.loads(line)
-        done[tuple(sorted(rec["point"].items()))] = rec["result"]
-  for name, key, values in tqdm(SWEEP, desc="sweep"):
-    for v in values:
-      point = {k: val for k, val in vars(args).items() if k not in ("json", "dir", "sweep")}
-      point[key] = v
-      if key == "n":  # the same trajectories per mini-batch; only the sharing changes
-        point["prompts"] = max(1, args.prompts * args.n // v)
-      rows = point["prompts"] * point["n"]
-      point["micro"] = min(point["micro"], rows // point["consumers"])
-      cache_key = tuple(sorted(point.items()))
-      if cache_key not in done:  # the default point recurs in every knob's line
-        tmp = tempfile.mktemp(suffix=".json")
-        cmd = [sys.executable, __file__, "--json", tmp]
-        for k, val in point.items():
-          cmd += [f"--{k}", str(val)]
-        print(f"sweep {key} = {v}", flush=True)
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        with open(tmp) as f:
-          done[cache_key] = json.load(f)
-        os.remove(tmp)
-        with open(cache_path, "a") as f:
-          f.write(json.dumps({"point": point, "result": done[cache_key]}) + "\n")
-      r = done[cache_key]
-      points.append({"knob": key, "value": v, "config": point, "speedup": r["speedup"],
-                     "baseline_s": r["baseline_s"], "knittrans_s": r["knittrans_s"],
-                     **r["ablation"], "grad_max_rel_err": r["grad_max_rel_err"],
-                     "exposed_s": r["exposed_s"], "flops": r["flops"]})
-  fig, axes = plt.subplots(1, len(SWEEP), figsize=(4 * len(SWEEP), 3.4))
-  for ax, (name, key, values) in zip(axes, SWEEP):
-    pts = [p for p in points if p["knob"] == key]
-    xs = [p["value"] for p in pts]
-    ax.plot(xs, [p["speedup"] for p in pts], "o-", label="knittrans")
-    ax.plot(xs, [p["baseline_s"] / p["dedup_only_s"] for p in pts], "s--", label="dedup only")
-    ax.plot(xs, [p["baseline_s"] / p["ondemand_only_s"] for p in pts], "^--", label="on-demand only")
-    ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel(key)
-    ax.set_ylabel("speedup vs baseline")
-  axes[0].legend(fontsize=8)
-  fig.suptitle("transfer + training per mini-batch (scripts/bench_multimodal.py --sweep)")
-  fig.tight_layout()
-  png = os.path.splitext(args.json)[0] + ".png"
-  fig.savefig(png, dpi=120)
-  print(f"wrote {png}")
-  os.remove(cache_path)  # complete: the next sweep measures afresh
-  return {"points": points, "default": {k: v for k, v in vars(args).items()
-                                        if k not in ("json", "dir", "sweep")}}
-
-
 def main():
   parser = argparse.ArgumentParser(description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -445,7 +297,7 @@ def main():
   if cli.check_only(args):
     return
   if args.sweep:
-    out = sweep(args)
+    out = sweep(args, __file__)
   else:
     out = run_point(args)
     print_point(out)

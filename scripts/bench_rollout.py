@@ -74,6 +74,8 @@ from flax import nnx
 from tqdm import tqdm
 
 from knittrans_jax import cli
+from knittrans_jax.bench.timing import percentiles
+from knittrans_jax.bench.weight_updates import weight_updates
 from knittrans_jax.job.config import JobConfig
 from knittrans_jax.models import DecoderConfig, DecoderLM
 from knittrans_jax.rl import token_logprobs
@@ -81,22 +83,17 @@ from knittrans_jax.rollout.engine import EngineSpec
 from knittrans_jax.rollout.engines import make_engine
 from knittrans_jax.rollout.agent_loop import AgentConfig, FailedGroup
 from knittrans_jax.rollout.agentic_tasks import AgenticTaskConfig
-from knittrans_jax.rollout.groups import AgentSource, Suite, suite_sources
 from knittrans_jax.rollout.sampler import SamplerConfig
-from knittrans_jax.rollout.weight_subscriber import WeightSubscriber
-from knittrans_jax.rollout.weights import WeightPublisher, WeightSyncConfig, wire_template
+from knittrans_jax.rollout.weights import WeightSyncConfig
+from knittrans_jax.suites import AgenticSuite, TaskSuite, TextSuite
 
 WORKLOADS = {"tails": "configs/text_grpo_tails.gin", "long_tails": "configs/text_long_tails.gin",
              "agentic": "configs/agentic_tails.gin"}
 
 
-def percentiles(xs) -> dict:
-  return {f"p{q}": float(np.percentile(xs, q)) for q in (50, 90, 99)}
-
-
 def requests(seed: int, groups: int, n: int, sources, start: int = 0):
   rng = np.random.default_rng(seed)
-  suite = Suite("text")
+  suite = TextSuite()
   return [suite.request(suite.task(seed, g, str(rng.choice(sources))), seed, g, n)
           for g in range(start, start + groups)]
 
@@ -143,7 +140,7 @@ def trainer_logprob_diff(model, groups, temperature: float, length: int) -> floa
   return worst
 
 
-def agentic_run(engine, suite: Suite, sampler, seed: int, groups: int, n: int, sources,
+def agentic_run(engine, suite: TaskSuite, sampler, seed: int, groups: int, n: int, sources,
                 in_flight: int, start: int = 0) -> dict:
   """`groups` agentic groups through an agent loop over `engine`, `in_flight` at once."""
   rng = np.random.default_rng(seed)
@@ -174,72 +171,6 @@ def agentic_run(engine, suite: Suite, sampler, seed: int, groups: int, n: int, s
           "turns_per_episode": {"mean": float(np.mean(turns)), **percentiles(turns),
                                 "max": int(max(turns))},
           "groups": len(times), "failed_groups": failed}
-
-
-def _median(xs) -> float:
-  return float(np.median(xs))
-
-
-def weight_updates(engine, params, model_cfg, sync: WeightSyncConfig, updates: int,
-                   workdir: str) -> dict:
-  """`updates` versions of `params` (the trainer's device arrays) published on `sync`'s
-  transport, read by one subscriber and loaded by `engine`; each beside a numpy copy of
-  the published bytes, timed in between: `copy_s` into new memory (np.array, page faults
-included, as the update's own writes have them), `copy_warm_s` into memory touched
-before (bandwidth alone)."""
-  dtype = sync.wire_dtype(model_cfg)
-  pub = WeightPublisher(workdir, sync=sync, dtype=dtype, version=0)
-  sub = WeightSubscriber(workdir, wire_template(params, dtype), verify=sync.verify)
-  steps = {"publish_s": [], "subscribe_s": [], "load_s": [], "copy_s": [], "copy_warm_s": [],
-           "engine_processing_s": []}
-  nbytes, warm, via = 0, None, None
-  try:
-    for v in tqdm(range(1, updates + 1), desc=f"{sync.transport} updates", leave=False):
-      t = time.perf_counter()
-      pub.write_part(v, params)
-      pub.commit(v)
-      t1 = time.perf_counter()
-      version, got = sub.poll()
-      t2 = time.perf_counter()
-      engine.update_weights(version, got)
-      jax.block_until_ready(getattr(engine, "params", None))
-      t3 = time.perf_counter()
-      report = getattr(engine, "last_load", None)  # vLLM: its own reload, timed by its worker
-      if report is not None:
-        steps["engine_processing_s"].append(report["load_s"])
-        via = report["via"]
-      leaves = jax.tree.leaves(got)
-      nbytes = sum(x.nbytes for x in leaves)
-      t4 = time.perf_counter()
-      copies = [np.array(x, copy=True) for x in leaves]
-      steps["copy_s"].append(time.perf_counter() - t4)
-      # The same copy into memory touched before: memory bandwidth alone, no page faults.
-      warm = warm or [np.ones_like(x) for x in leaves]
-      t5 = time.perf_counter()
-      for dst, x in zip(warm, leaves):
-        np.copyto(dst, x)
-      steps["copy_warm_s"].append(time.perf_counter() - t5)
-      del copies, got, leaves
-      for key, dt in (("publish_s", t1 - t), ("subscribe_s", t2 - t1), ("load_s", t3 - t2)):
-        steps[key].append(dt)
-    reused = pub.pool.reused if pub.pool is not None else 0
-  finally:
-    pub.close()
-  per = [a + b + c for a, b, c in zip(steps["publish_s"], steps["subscribe_s"], steps["load_s"])]
-  if not steps["engine_processing_s"]:
-    del steps["engine_processing_s"]
-  out = {"transport": sync.transport, "weight_bytes": nbytes, "segments_reused": reused,
-         "weight_dtype": str(dtype or "as trained"), "weight_update_s": _median(per),
-         **{k: _median(x) for k, x in steps.items()}, "runs": {**steps, "weight_update_s": per}}
-  copy = max(out["copy_s"], 1e-12)
-  out.update(weight_update_vs_copy=out["weight_update_s"] / copy,
-             engine_side_vs_copy=(out["subscribe_s"] + out["load_s"]) / copy,
-             weight_update_vs_warm_copy=out["weight_update_s"] / max(out["copy_warm_s"], 1e-12))
-  if "engine_processing_s" in steps:  # vLLM: what is not its own reload
-    ours = [u - e for u, e in zip(per, steps["engine_processing_s"])]
-    out.update(via=via, ours_s=_median(ours), ours_vs_copy=_median(ours) / copy,
-               ours_vs_warm_copy=_median(ours) / max(out["copy_warm_s"], 1e-12))
-  return out
 
 
 def main():
@@ -283,9 +214,8 @@ def main():
   if cli.check_only(args):
     gin.clear_config()
     return
-  n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite_sources(job.suite))
-  suite = (Suite("agentic", agent=AgentSource(AgenticTaskConfig(), AgentConfig())) if agentic
-           else None)
+  suite = AgenticSuite(AgenticTaskConfig(), AgentConfig()) if agentic else TextSuite()
+  n, sources = job.spec.group_size, tuple(job.spec.source_quota or suite.sources)
   if args.checkpoint:
     from knittrans_jax.models import hf
     model, model_cfg = hf.load(args.checkpoint)
@@ -295,7 +225,7 @@ def main():
   graphdef, params = nnx.split(model, nnx.Param)
   host = jax.device_get(params)
   reqs = None if agentic else requests(args.seed, args.groups, n, sources)
-  length = Suite("text").prompt_len + sampler.max_new_tokens
+  length = TextSuite.prompt_len + sampler.max_new_tokens
   out = {"config": {"workload": args.workload, "gin_file": args.gin_file,
                     "gin_bindings": args.gin_bindings, "in_flight": in_flight if agentic else None,
                     "groups": args.groups, "n": n, "sources": sources,
@@ -310,13 +240,13 @@ def main():
     per_call = {"jax": job.groups_per_call, "jax_static": args.groups}.get(name, 1)
     with tempfile.TemporaryDirectory() as tmp:
       if agentic:  # turns batch by rows, contexts of any length (rollout/jax_engine.py)
-        max_len = suite.agent.loop.max_tokens
+        max_len = suite.loop.max_tokens
         spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
                           groups_per_call=per_call, workdir=tmp,
                           rows_per_call=per_call * n, options=_vllm_options(name, max_len))
       else:
         spec = EngineSpec("vllm" if name == "vllm" else "jax", model_cfg, sampler, args.seed,
-                          groups_per_call=per_call, workdir=tmp, prompts=Suite("text").prompt_spec,
+                          groups_per_call=per_call, workdir=tmp, prompts=TextSuite().prompt_spec,
                           options=_vllm_options(name, length))
       t0 = time.perf_counter()
       engine = make_engine(spec, graphdef, host, 0)
@@ -324,7 +254,7 @@ def main():
       if agentic:
         precompiled = 0
         if name == "jax":  # every padded shape compiled before anything is timed
-          precompiled = engine.compile_shapes(suite.agent.loop.max_tokens - sampler.max_new_tokens)
+          precompiled = engine.compile_shapes(suite.loop.max_tokens - sampler.max_new_tokens)
         for k in in_flight:
           # The same run on other prompts first: the JAX engine compiles its shapes there.
           agentic_run(engine, suite, sampler, args.seed + 1, args.groups, n, sources, k,

@@ -80,375 +80,23 @@ server: these are its throughput and per-request cost, not those of S3.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
-import statistics
 import tempfile
-import time
 
 import numpy as np
-from tqdm import tqdm
 
 import knittrans_jax
 from knittrans_jax import cli
-from knittrans_jax.storage import Image, StoreSchema, TrajectoryStore
+from knittrans_jax.bench.store_rates import append_and_read, append_growth, image_layouts
+from knittrans_jax.bench.store_steady_state import bench_steady_state
 from knittrans_jax.testing.s3_server import start_s3_server
-from knittrans_jax.types import Trajectory
 
 # The package measured. A script run from another checkout imports the editable
 # install's package, not that checkout's, unless PYTHONPATH names the checkout:
 # comparing two commits needs `PYTHONPATH=COPY python COPY/scripts/bench_store.py`.
 PACKAGE_DIR = os.path.dirname(os.path.abspath(knittrans_jax.__file__))
-
-MiB = 2**20
-BYTES_PER_TOKEN = 4 + 4 + 1
-
-
-def _batch(rng, first_group, k=16, tokens=2048):
-  out = []
-  for i in range(k):
-    R = int(rng.integers(tokens - 256, tokens + 256))
-    out.append(Trajectory(
-        prompt_tokens=rng.integers(0, 32000, 128, dtype=np.int32),
-        response_tokens=rng.integers(0, 32000, R, dtype=np.int32),
-        logprobs=-rng.random(R, dtype=np.float32), loss_mask=np.ones(R, bool),
-        reward=float(rng.random()), source="math", group_id=first_group + i // 8,
-        index_in_group=i % 8, versions=(0,)))
-  return out
-
-
-def _image_group(rng, group_id, n, prompt=64, response=256):
-  """n trajectories of one prompt (their image ids are set by the caller)."""
-  tokens = rng.integers(0, 32000, prompt, dtype=np.int32)
-  return [Trajectory(prompt_tokens=tokens,
-                     response_tokens=rng.integers(0, 32000, response, dtype=np.int32),
-                     logprobs=-rng.random(response, dtype=np.float32),
-                     loss_mask=np.ones(response, bool), reward=float(rng.random()), source="math",
-                     group_id=group_id, index_in_group=i, versions=(0,)) for i in range(n)]
-
-
-def _written() -> int | None:
-  """Bytes this process has passed to write system calls (None where not counted)."""
-  try:
-    with open("/proc/self/io") as f:
-      return int(next(line for line in f if line.startswith("wchar:")).split()[1])
-  except (OSError, StopIteration):
-    return None
-
-
-def _timeit(fn, reps):
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return times
-
-
-def bench(url: str, mib: int, reps: int, micro_reps: int, checksum: bool, npy_dir: str,
-          seed: int = 0) -> dict:
-  """`npy_dir`: where np.save writes the same payload (beside a file:// store)."""
-  schema = StoreSchema(sources=("math",), payload_checksum=checksum)
-  store = TrajectoryStore.create(url, schema)
-  writer = store.writer("bench")
-  rng = np.random.default_rng(seed)
-  target = mib * MiB
-  batches, written = [], 0
-  while written < target:  # generate first: the write timing excludes it
-    b = _batch(rng, len(batches) * 2)
-    batches.append(b)
-    written += sum(t.prompt_tokens.size + t.response_tokens.size for t in b) * BYTES_PER_TOKEN
-  # The same payload arrays np.save writes, made before any timing.
-  arrays = [[np.concatenate([np.concatenate([t.prompt_tokens, t.response_tokens]) for t in b]),
-             np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.float32),
-                                             t.logprobs]) for t in b]),
-             np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.uint8),
-                                             t.loss_mask.astype(np.uint8)]) for t in b])]
-            for b in batches]
-  assert sum(a.nbytes for arrs in arrays for a in arrs) == written
-  os.makedirs(npy_dir)
-  write_s = npsave_s = 0.0
-  wchar = 0  # bytes the appends wrote
-  blocks = 8  # appends and np.save alternate, block by block
-  bar = tqdm(total=len(batches), desc=f"append (checksum={checksum})", leave=False)
-  for blk in range(blocks):
-    lo, hi = blk * len(batches) // blocks, (blk + 1) * len(batches) // blocks
-    w0, t0 = _written(), time.perf_counter()
-    for b in batches[lo:hi]:
-      writer.append(b)
-    write_s += time.perf_counter() - t0
-    wchar = None if w0 is None or wchar is None else wchar + _written() - w0
-    t0 = time.perf_counter()
-    for k in range(lo, hi):
-      for name, a in zip(("tokens", "logprobs", "loss_mask"), arrays[k]):
-        np.save(os.path.join(npy_dir, f"{name}_{k}.npy"), a)
-    npsave_s += time.perf_counter() - t0
-    bar.update(hi - lo)
-  bar.close()
-  whole = [np.concatenate(col) for col in zip(*arrays)]
-  t0 = time.perf_counter()
-  for name, a in zip(("tokens", "logprobs", "loss_mask"), whole):
-    np.save(os.path.join(npy_dir, f"{name}_whole.npy"), a)
-  npsave_whole_s = time.perf_counter() - t0
-  shutil.rmtree(npy_dir)
-  del arrays
-
-  metas = TrajectoryStore.open(url).list_committed("bench")
-  nbytes = sum(m.length for m in metas) * BYTES_PER_TOKEN
-  reader = TrajectoryStore.open(url)
-  reader.read(metas[:16]).result()  # open arrays once; not part of the timing
-
-  os.sync()  # let writeback of the appended pages finish before timing reads
-  payload = reader.read(metas).result()
-  # The same bytes, as contiguous arrays (what the sequential read moved).
-  flat = [np.concatenate(payload.tokens), np.concatenate(payload.logprobs),
-          np.concatenate(payload.loss_mask)]
-  assert sum(a.nbytes for a in flat) == nbytes
-  # What was read is what was written, byte for byte (a benchmark that read the wrong
-  # rows, or nothing, fails here, and its JSON says so).
-  read_matches_written = all(np.array_equal(a, w) for a, w in zip(flat, whole))
-  del whole
-  dst = [np.empty_like(a) for a in flat]
-  # Interleaved, so that machine noise hits the read and the copies alike.
-  read_times, copy_times, prealloc_times, read_bytes = [], [], [], []
-
-  def timed_read():
-    read_bytes.append(reader.read(metas).result().nbytes)  # what each timed read returned
-
-  for _ in range(reps):
-    read_times += _timeit(timed_read, 1)
-    copy_times += _timeit(lambda: [a.copy() for a in flat], 1)
-    prealloc_times += _timeit(lambda: [np.copyto(d, a) for d, a in zip(dst, flat)], 1)
-
-  micro_bytes, micro_s, micro_returned = 0, 0.0, 0
-  for _ in range(micro_reps):
-    pick = [metas[i] for i in rng.choice(len(metas), 16, replace=False)]
-    t0 = time.perf_counter()
-    got = reader.read(pick).result()
-    micro_s += time.perf_counter() - t0
-    micro_bytes += sum(m.length for m in pick) * BYTES_PER_TOKEN
-    micro_returned += got.nbytes
-
-
-  mbps = lambda b, times: b / MiB / statistics.median(times)
-  result = {
-      "payload_MiB": nbytes / MiB, "trajectories": len(metas), "payload_checksum": checksum,
-      "payload_bytes": nbytes, "read_matches_written": read_matches_written,
-      # Bytes the timed reads returned (each rep, and the micro-batch reads' sum): the
-      # rates below divide the bytes asked for, so these must equal them.
-      "read_bytes_returned": read_bytes, "microbatch_bytes": micro_bytes,
-      "microbatch_bytes_returned": micro_returned,
-      "read_s": statistics.median(read_times), "memcpy_s": statistics.median(copy_times),
-      "write_MBps": nbytes / MiB / write_s,
-      "npsave_MBps": nbytes / MiB / npsave_s,
-      "npsave_whole_MBps": nbytes / MiB / npsave_whole_s,
-      # Only a file store's writes are write system calls (s3's go out as sends).
-      "write_amplification": (wchar / nbytes if wchar is not None and url.startswith("file://")
-                              else None),
-      "read_MBps": mbps(nbytes, read_times),
-      "read_MBps_best": nbytes / MiB / min(read_times),
-      "microbatch_read_MBps": micro_bytes / MiB / micro_s,
-      "microbatch_read_ms": 1e3 * micro_s / micro_reps,
-      "memcpy_MBps": mbps(nbytes, copy_times),
-      "memcpy_prealloc_MBps": mbps(nbytes, prealloc_times),
-  }
-  result["append_vs_npsave"] = result["write_MBps"] / result["npsave_MBps"]
-  result["append_vs_npsave_whole"] = result["write_MBps"] / result["npsave_whole_MBps"]
-  result["read_vs_memcpy"] = result["read_MBps"] / result["memcpy_MBps"]
-  result["read_vs_memcpy_prealloc"] = result["read_MBps"] / result["memcpy_prealloc_MBps"]
-  return result
-
-
-def _dir_bytes(path: str) -> int:
-  return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
-def bench_images(root: str, dedup: bool, groups: int, n: int, shape: tuple[int, ...],
-                 read_trajectories: int, reps: int, seed: int = 0) -> dict:
-  """The image path in one layout: put every group with its image, then read slices."""
-  url = "file://" + root
-  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), dedup_images=dedup))
-  writer = store.writer("vlm")
-  rng = np.random.default_rng(seed)
-  arrays = [rng.random(shape, dtype=np.float32) for _ in range(groups)]
-  groups_ = [_image_group(rng, g, n) for g in range(groups)]
-  array_of = {}
-  t0 = time.perf_counter()
-  for array, group in zip(arrays, groups_):
-    image = Image.of(array)  # the producer's one hash of its image
-    writer.append([dataclasses.replace(t, image_ids=(image.id,)) for t in group], images=[image])
-    array_of[image.id] = array
-  put_s = time.perf_counter() - t0
-
-  reader = TrajectoryStore.open(url)
-  metas = reader.list_committed("vlm")
-  k = min(read_trajectories, len(metas))
-  slices = [metas[i:i + k] for i in range(0, len(metas) - k + 1, k)]
-  first = reader.read(slices[0]).result()  # opens the arrays; checked, not timed
-  for iid, image in first.images.items():
-    np.testing.assert_array_equal(image, array_of[iid])
-  os.sync()
-  read_times = []
-  for _ in range(reps):
-    for sl in slices:
-      read_times += _timeit(lambda: reader.read(sl).result(), 1)
-  moved = first.nbytes_read
-  image_dir = os.path.join(root, "vlm", "images", "data")
-  return {"dedup_images": dedup, "put_s": put_s, "put_s_per_group": put_s / groups,
-          "read_trajectories": k, "read_s": statistics.median(read_times),
-          "read_moved_MB": moved / 1e6, "read_MBps": moved / 1e6 / statistics.median(read_times),
-          "image_bytes_on_disk": _dir_bytes(image_dir),
-          "store_bytes_on_disk": _dir_bytes(root),
-          "image_copies": store.reader("vlm").commit().images}
-
-
-def _plain_writes(directory: str, nbytes: int, first: int) -> float:
-  """Seconds to write `nbytes` as fresh 1 MiB files (open, writev, rename), as the
-  store writes a chunk: the file system's rate, for comparison."""
-  os.makedirs(directory, exist_ok=True)
-  buf = np.frombuffer(np.random.default_rng(first).bytes(MiB), np.uint8)
-  t0 = time.perf_counter()
-  for k in range(first, first + -(-nbytes // MiB)):
-    tmp = os.path.join(directory, f".tmp{k}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-      os.writev(fd, [buf])
-    finally:
-      os.close(fd)
-    os.rename(tmp, os.path.join(directory, str(k)))
-  return time.perf_counter() - t0
-
-
-def bench_append_growth(root: str, total_gb: float, step_gb: float, groups: int, n: int,
-                        shape: tuple[int, ...], seed: int = 0) -> list[dict]:
-  """The append rate of one unit as it grows, step by step, beside plain writes."""
-  url = "file://" + root
-  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), dedup_images=False))
-  writer = store.writer("vlm")
-  rng = np.random.default_rng(seed)
-  arrays = [rng.random(shape, dtype=np.float32) for _ in range(groups)]
-  images = [Image.of(a) for a in arrays]
-  steps, group_id, plain_files = [], 0, 0
-  total, step = int(total_gb * 1e9), int(step_gb * 1e9)
-  with tqdm(total=total, unit="B", unit_scale=True, desc="append growth") as bar:
-    while writer.commit.image_bytes < total:
-      start = writer.commit.image_bytes
-      t0 = time.perf_counter()
-      while writer.commit.image_bytes - start < step:
-        g = group_id % groups
-        group = _image_group(rng, group_id, n)
-        writer.append([dataclasses.replace(t, image_ids=(images[g].id,)) for t in group],
-                      images=[images[g]])
-        group_id += 1
-      append_s = time.perf_counter() - t0
-      written = writer.commit.image_bytes - start
-      plain_s = _plain_writes(root + "_plain", written, plain_files)
-      plain_files += -(-written // MiB)
-      mb = written / 1e6
-      steps.append({"unit_GB": writer.commit.image_bytes / 1e9, "MB": mb,
-                    "append_MBps": mb / append_s, "plain_write_MBps": mb / plain_s,
-                    "append_vs_plain": plain_s / append_s})
-      bar.update(written)
-  shutil.rmtree(root, ignore_errors=True)
-  shutil.rmtree(root + "_plain", ignore_errors=True)
-  return steps
-
-
-def _disk_bytes(path: str) -> int:
-  """Bytes the files under `path` hold on disk (allocated blocks, not their sizes)."""
-  return sum(os.stat(os.path.join(d, f)).st_blocks * 512
-             for d, _, files in os.walk(path) for f in files)
-
-
-def bench_steady_state(root: str, live_mib: float, cycles: int, seed: int = 0,
-                       token_chunk: int | None = None) -> dict:
-  """Appends to one unit in steady state (a live window, the rest reclaimed), beside
-  np.save and a numpy copy of the same bytes. `token_chunk`: None for the default."""
-  url = "file://" + os.path.join(root, "store")
-  store = TrajectoryStore.create(url, StoreSchema(sources=("math",), token_chunk=token_chunk))
-  schema = store.schema  # token_chunk as chosen for this store
-  writer = store.writer("steady", reclaim_every_s=float("inf"))  # reclaimed below, timed apart
-  npy_dir = os.path.join(root, "npsave")
-  os.makedirs(npy_dir)
-  rng = np.random.default_rng(seed)
-  batches, arrays, live = [], [], 0
-  while live < live_mib * MiB:  # one window's appends, cycled
-    b = _batch(rng, len(batches) * 2)
-    arrs = [np.concatenate([np.concatenate([t.prompt_tokens, t.response_tokens]) for t in b]),
-            np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.float32),
-                                            t.logprobs]) for t in b]),
-            np.concatenate([np.concatenate([np.zeros(t.prompt_tokens.size, np.uint8),
-                                            t.loss_mask.astype(np.uint8)]) for t in b])]
-    batches.append(b)
-    arrays.append(arrs)
-    live += sum(a.nbytes for a in arrs)
-  window, total = len(batches), len(batches) * cycles
-  dst = [np.empty(max(a[i].size for a in arrays), arrays[0][i].dtype) for i in range(3)]
-  block = max(1, window // 4)  # appends, np.save and copies alternate in blocks
-  commits = []
-  nbytes = write_s = npsave_s = copy_s = reclaim_s = delete_s = 0.0
-  released, footprint, npsave_footprint = 0, [], []
-  bar = tqdm(total=total, desc="steady state", leave=False)
-  for lo in range(0, total, block):
-    hi = min(lo + block, total)
-    for k in range(lo, hi):
-      t0 = time.perf_counter()
-      writer.append(batches[k % window])
-      t1 = time.perf_counter()
-      commits.append(writer.commit)
-      if k >= window:  # appends before k - window + 1 have left the window: retention
-        store.retain_from("steady", commits[k - window].rows)
-        released += writer.reclaim()
-      write_s += t1 - t0
-      reclaim_s += time.perf_counter() - t1
-      nbytes += sum(a.nbytes for a in arrays[k % window])
-    t0 = time.perf_counter()
-    for k in range(lo, hi):
-      for name, a in zip(("tokens", "logprobs", "loss_mask"), arrays[k % window]):
-        np.save(os.path.join(npy_dir, f"{k}_{name}.npy"), a)
-    npsave_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for k in range(lo, hi):
-      if k >= window:
-        for name in ("tokens", "logprobs", "loss_mask"):
-          os.unlink(os.path.join(npy_dir, f"{k - window}_{name}.npy"))
-    delete_s += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    for k in range(lo, hi):
-      for d, a in zip(dst, arrays[k % window]):
-        np.copyto(d[:a.size], a)
-    copy_s += time.perf_counter() - t0
-    for k in range(lo, hi):
-      if (k + 1) % window == 0:  # a cycle done
-        footprint.append(_disk_bytes(os.path.join(root, "store")))
-        npsave_footprint.append(_disk_bytes(npy_dir))
-    bar.update(hi - lo)
-  bar.close()
-  # What the window holds reads back as appended (a benchmark that lost rows fails here).
-  reader = TrajectoryStore.open(url)
-  metas = reader.list_committed("steady", live=True)[-16 * (window // 2):]
-  got = reader.read(metas).result()
-  first = total - window // 2
-  want = [np.concatenate([arrays[k % window][0] for k in range(first, total)])]
-  read_matches_written = bool(np.array_equal(np.concatenate(got.tokens), want[0]))
-  after = footprint[1:] or footprint
-  mb = nbytes / MiB
-  result = {
-      "dir": root, "live_MiB": live / MiB, "appends_per_cycle": window, "cycles": cycles,
-      "appended_MiB": mb, "token_chunk": schema.token_chunk,
-      "append_MBps": mb / write_s, "npsave_MBps": mb / npsave_s, "memcpy_MBps": mb / copy_s,
-      "reclaim_ms_per_append": 1e3 * reclaim_s / total,
-      "npsave_delete_ms_per_append": 1e3 * delete_s / total,
-      "chunk_files_released": released,
-      "footprint_bytes": footprint, "npsave_footprint_bytes": npsave_footprint,
-      "footprint_flat": max(after) / min(after),
-      "read_matches_written": read_matches_written,
-  }
-  result["append_vs_npsave"] = result["append_MBps"] / result["npsave_MBps"]
-  result["append_vs_memcpy"] = result["append_MBps"] / result["memcpy_MBps"]
-  return result
 
 
 def main():
@@ -497,21 +145,21 @@ def main():
     for checksum in ([False, True] if args.payload_checksum else [False]):
       root = os.path.join(base, f"store_checksum{int(checksum)}")
       shutil.rmtree(root, ignore_errors=True)
-      results["checksum" if checksum else "default"] = bench(
+      results["checksum" if checksum else "default"] = append_and_read(
           "file://" + os.path.abspath(root), args.mib, args.reps, args.micro_reps, checksum,
           os.path.abspath(root) + "_npsave")
     if args.s3:
       with start_s3_server() as server:
         server.create_bucket("bench-store")
         os.environ.update(server.env)
-        results["s3"] = bench("s3://bench-store/store", args.mib, args.reps, args.micro_reps,
+        results["s3"] = append_and_read("s3://bench-store/store", args.mib, args.reps, args.micro_reps,
                               False, os.path.join(os.path.abspath(base), "s3_npsave"))
     images = {"groups": args.image_groups, "n": args.image_n, "image_shape": list(shape),
               "image_MB": 4 * np.prod(shape) / 1e6}
     for name, dedup in (("dedup", True), ("no_dedup", False)):
       root = os.path.join(base, f"images_{name}")
       shutil.rmtree(root, ignore_errors=True)
-      images[name] = bench_images(os.path.abspath(root), dedup, args.image_groups, args.image_n,
+      images[name] = image_layouts(os.path.abspath(root), dedup, args.image_groups, args.image_n,
                                   shape, args.read_trajectories, args.image_reps)
       shutil.rmtree(root, ignore_errors=True)
     for key in ("image_bytes_on_disk", "put_s", "read_s", "read_moved_MB"):
@@ -519,7 +167,7 @@ def main():
     growth = None
     if args.growth_gb > 0:
       root = tempfile.mkdtemp(prefix="bench_store_growth_", dir=args.growth_dir or base)
-      growth = bench_append_growth(os.path.join(root, "store"), args.growth_gb,
+      growth = append_growth(os.path.join(root, "store"), args.growth_gb,
                                    args.growth_step_gb, args.image_groups, args.image_n, shape)
       shutil.rmtree(root, ignore_errors=True)
   finally:
@@ -603,7 +251,7 @@ def _main_steady_state(args) -> None:
   print(f"  reclaim {s['reclaim_ms_per_append']:.3f} ms per append "
         f"({s['chunk_files_released']} chunk files), np.save deletes "
         f"{s['npsave_delete_ms_per_append']:.3f} ms")
-  print(f"  footprint after each cycle (MB): "
+  print("  footprint after each cycle (MB): "
         + " ".join(f"{b / 1e6:.1f}" for b in s["footprint_bytes"])
         + f"; flat {s['footprint_flat']:.3f} (max / min after the first)")
   print(f"  read of the last half window matches what was written: {s['read_matches_written']}")

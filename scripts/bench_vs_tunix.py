@@ -50,12 +50,16 @@ import sys
 import tempfile
 import time
 
+from knittrans_jax.bench.timing import steady_rate
+from knittrans_jax.bench.venvs import ensure_venv, venv_python
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 TUNIX_VERSION = "0.1.7"
 # What the Tunix venv holds beside Tunix (which brings JAX, Flax, Optax and Grain):
 # gin-config, which the project's agentic task module imports.
 TUNIX_DEPS = [f"google-tunix=={TUNIX_VERSION}", "gin-config==0.5.0"]
+TUNIX_STAMP = ".installed-tunix"  # in the venv once its install finished
 CONFIGS = {"text": "configs/vs_tunix/text.gin", "agentic": "configs/vs_tunix/agentic.gin"}
 # The pairs each workload runs: (our mode, Tunix's off_policy_steps).
 PAIRS = {"text": (("colocated", 0), ("disaggregated", 0)),
@@ -119,8 +123,7 @@ def steady(step_end_s: list[float], trajectories: list[int], warmup: int) -> flo
   """Trajectories per second over the steps after the first `warmup`."""
   if len(step_end_s) <= warmup + 1:
     raise ValueError(f"{len(step_end_s)} steps: not more than the {warmup} warm-up steps + 1")
-  span = step_end_s[-1] - step_end_s[warmup - 1] if warmup else step_end_s[-1]
-  return sum(trajectories[warmup:]) / span
+  return steady_rate(step_end_s, trajectories, warmup)
 
 
 def run_ours(name: str, mode: str, bindings: list[str], steps: int, warmup: int,
@@ -192,30 +195,18 @@ def run_tunix(python: str, workload: dict, off_policy_steps: int, warmup: int,
 def ensure_tunix_venv(venv: str) -> str:
   """The Tunix venv's python, building the venv first when missing (uv, under this
   machine's pip configuration: scripts/uv_install.py)."""
-  py = os.path.join(venv, "bin", "python")
-  stamp = os.path.join(venv, ".installed-tunix")
-  if os.path.exists(stamp):
-    return py
-  print(f"building the Tunix {TUNIX_VERSION} venv in {venv} (a few minutes)...",
-        file=sys.stderr, flush=True)
-  if not os.path.exists(py):
-    subprocess.run([sys.executable, "-m", "venv", venv], check=True)
-  subprocess.run([py, "-m", "pip", "install", "-q", "uv==0.13.8"], check=True)
-  subprocess.run([py, os.path.join(HERE, "uv_install.py"), "-q", *TUNIX_DEPS], check=True)
-  out = subprocess.run([py, "-c", "import importlib.metadata as m, jax; "
-                        "print(m.version('google-tunix'), jax.__version__)"],
-                       check=True, capture_output=True, text=True)
-  with open(stamp, "w") as f:
-    f.write(out.stdout)
-  print(f"Tunix venv ready (google-tunix, jax: {out.stdout.strip()})", file=sys.stderr,
-        flush=True)
-  return py
+  return ensure_venv(
+      venv, TUNIX_STAMP, f"building the Tunix {TUNIX_VERSION} venv in {venv} (a few minutes)...",
+      [["-m", "pip", "install", "-q", "uv==0.13.8"],
+       [os.path.join(HERE, "uv_install.py"), "-q", *TUNIX_DEPS]],
+      "import importlib.metadata as m, jax; print(m.version('google-tunix'), jax.__version__)",
+      stamp_text=lambda out: out,
+      ready=lambda out: f"Tunix venv ready (google-tunix, jax: {out.strip()})")
 
 
 def tunix_python(venv: str) -> str | None:
   """The Tunix venv's python if it is installed, else None (tests skip on None)."""
-  py = os.path.join(venv, "bin", "python")
-  return py if os.path.exists(os.path.join(venv, ".installed-tunix")) else None
+  return venv_python(venv, TUNIX_STAMP)
 
 
 # ------------------------------------------------------------------ pairs and the JSON

@@ -29,7 +29,7 @@ Patches (monkeypatched, site-packages untouched):
   6. step rewards added in turn order (ours): np.sum (trajectory_collect_engine.py:684-686)
      is an ulp off on some episodes (1/512).
   7. population-std advantage (ours); Tunix's 'grpo' has ddof=1 (algo_core.py:560-566).
-  8. (tunix_side.make_model) the model initialised as ours.
+  8. (tunix_common.make_model) the model initialised as ours.
 Staleness is measured here: with shared weights Tunix never bumps policy_version
 (agentic_rl_learner.py:1054-1055); each episode's first-turn global step is recorded, and
 its row key rides to the trainer in TrainExample.policy_version (unused unpacked).
@@ -58,249 +58,27 @@ import concurrent.futures as cf
 import dataclasses
 import faulthandler
 import functools
-import threading
 import time
 
 import jax
 import numpy as np
 from flax import nnx
 
-from knittrans_jax.rollout import agentic_tasks, tasks
+from knittrans_jax.rollout import tasks
 from tunix.generate import sampler as sampler_mod
-from tunix.generate import utils as gen_utils
-from tunix.rl import function_registry
 from tunix.rl import rl_cluster as rl_cluster_lib
 from tunix.rl.agentic import agentic_grpo_learner as agl
-from tunix.rl.agentic.agents import agent_types
-from tunix.rl.agentic.environments import base_environment
-from tunix.rl.agentic.parser.chat_template_parser import parser as ctp
 from tunix.rl.agentic.trajectory import trajectory_collect_engine as tce
 from tunix.rl.rollout import base_rollout
-from tunix.rl.rollout import vanilla_rollout
-
-BATCH_BUCKETS = (8, 32, 128)  # the batched engine's padded batch sizes
-WINDOW_S = 0.002  # its coalescing window
-
-
-def response_seeds(seed, group_id, n):  # = knittrans_jax/rollout/engine.py:response_seeds
-  st = np.random.SeedSequence([seed, group_id]).generate_state(n, np.uint32)
-  return tuple(int(s) >> 1 for s in st)
-
-
-def turn_seed(seed, turn):  # = knittrans_jax/rollout/agent_loop.py:turn_seed
-  if turn == 0:
-    return seed
-  return int(np.random.SeedSequence([seed, turn]).generate_state(1, np.uint32)[0]) >> 1
-
-
-def ids_text(a):
-  return " ".join(str(int(x)) for x in a)
-
-
-class _Run:
-  """One run's workload and the records its env, learner and hooks share."""
-
-  def __init__(self, W, check):
-    self.G, self.n, self.seed, self.quota = W["groups"], W["n"], W["seed"], W["quota"]
-    t = dict(W["agentic_tasks"])
-    t["latency"] = agentic_tasks.ToolLatency(**t["latency"])
-    self.task_cfg = agentic_tasks.AgenticTaskConfig(**t)
-    if self.task_cfg.fault_rate:  # ours fails and retries such groups: no Tunix path
-      raise ValueError("agentic_tasks.fault_rate > 0: the Tunix side runs without faults")
-    if W["sampler"]["greedy"]:
-      raise ValueError("sampler.greedy: the Tunix side samples (temperature, top_p)")
-    self.max_new = W["sampler"]["max_new_tokens"]
-    self.max_turns, self.max_tokens = W["agent"]["max_turns"], W["agent"]["max_tokens"]
-    self.check = check
-    self.rec: dict[int, dict] = {}  # row key -> the episode's record
-    self.lock = threading.Lock()
-    self.tls = threading.local()  # the seed of the turn this thread generates
-    self.step_rows = collections.defaultdict(list)  # step -> the row keys it trained
-
-  def key(self, gid, pair):
-    return int(gid) * self.n + int(pair)
-
-  def task(self, gid, source):
-    """groups.task_for, a training group: drawn again while held out."""
-    rng = np.random.default_rng([self.seed, gid])
-    for _ in range(1000):
-      t = agentic_tasks.make_task(rng, source, self.task_cfg)
-      if not agentic_tasks.held_out(t):
-        return t
-    raise ValueError(f"no training prompt for {source} group {gid}")
-
-  def step_sources(self, step):
-    """The quotas exactly, in an order drawn from (seed, step), as the text side's."""
-    block = [s for s, q in self.quota.items() for _ in range(q)]
-    order = np.random.default_rng([self.seed, 7919, step]).permutation(len(block))
-    return [block[i] for i in order]
-
-
-class IdParser(ctp.BaseChatTemplateParser):
-  """No template: a conversation is its messages' ids joined (system prompt empty)."""
-
-  def _init_tokens(self):
-    return ctp.TokenConfig(message_separator=" ")
-
-  def _init_generation_prompt(self):
-    return ""
-
-
-class KnitAgenticEnv(base_environment.BaseTaskEnv):
-  """One episode of our AgenticEnv; ends it as agent_loop.py:_answer does: env done,
-  max_turns, or no room for another full turn within max_tokens (patch 2)."""
-
-  def __init__(self, single_example, *, group_id, pair_index, run, **kw):
-    ex = {k: (v[0] if isinstance(v, np.ndarray) else v) for k, v in single_example.items()}
-    self.run, self.gid, self.source = run, int(ex["gid"]), str(ex["source"])
-    self.pair, self.turn, self.ctx, self.walls = int(pair_index), 0, 0, []
-    self.ktask = run.task(self.gid, self.source)
-    self.inner = agentic_tasks.AgenticEnv(self.ktask, self.pair, run.task_cfg)
-    self.seed_i = response_seeds(run.seed, self.gid, run.n)[self.pair]
-    super().__init__(task=dict(single_example), max_steps=run.max_turns,
-                     group_id=group_id, pair_index=pair_index)
-
-  def _initial_observation(self):
-    prompt = self.inner.reset(self.ktask)
-    self.ctx = len(prompt)
-    return {"prompts": ids_text(prompt), "gid": self.gid, "source": self.source}
-
-  def _step_impl(self, action):
-    if isinstance(action, agent_types.Action):
-      action = action.action
-    resp = np.array([int(t) for t in str(action).split()], np.int32)
-    t0 = time.perf_counter()
-    st = self.inner.step(resp)
-    self.walls.append(time.perf_counter() - t0)
-    run = self.run
-    last = (st.done or self.step_count >= run.max_turns
-            or self.ctx + resp.size + st.observation.size + run.max_new > run.max_tokens)
-    self.ctx += resp.size + (0 if last else st.observation.size)
-    if last and run.check:
-      with run.lock:
-        run.rec.setdefault(run.key(self.gid, self.pair), {})["walls"] = list(self.walls)
-    return base_environment.EnvStepResult(observation=ids_text(st.observation),
-                                          reward=float(st.reward), done=bool(last), info={})
-
-
-class _EosInclusiveUtils:
-  """Patch 3: generate/utils with np_find_first_eos_idx past the EOS (only sampler.py
-  :910/945 call it)."""
-
-  def __getattr__(self, name):
-    return getattr(gen_utils, name)
-
-  @staticmethod
-  def np_find_first_eos_idx(ids, eos_id):
-    i = gen_utils.np_find_first_eos_idx(ids, eos_id)
-    return i + 1 if i < len(ids) else i
-
-
-def _in_order_reward(self):
-  """Patch 6: TrajectoryCollectEngine.compute_trajectory_reward, summed in turn order."""
-  traj = self.agent.trajectory
-  if traj:
-    traj.reward = functools.reduce(lambda a, st: a + float(st.reward), traj.steps, 0.0)
-  return traj or None
-
-
-@function_registry.register_advantage_estimator("grpo_pop_std")
-def grpo_pop_std(rewards, num_generations):  # patch 7
-  r = np.asarray(rewards, np.float32).reshape(-1, num_generations)
-  return ((r - r.mean(-1, keepdims=True)) / (r.std(-1, keepdims=True) + 1e-6)).reshape(-1)
-
-
-class StockRollout(vanilla_rollout.VanillaRollout):
-  """Tunix's VanillaRollout with generate as shipped (vanilla_rollout.py:50-75):
-  tunix_side.py replaces VanillaRollout.generate for the text workload (a key per call,
-  EOS appended, PAD forbidden); here the seed comes per turn and the sampler keeps EOS."""
-
-  def __init__(self, rollout_actor, tokenizer, mesh, rollout_config):
-    c = rollout_actor.config
-    super().__init__(rollout_actor, tokenizer, base_rollout.CacheConfig(
-        cache_size=rollout_config.kv_cache_size, num_layers=c.num_layers,
-        num_kv_heads=c.num_kv_heads, head_dim=c.head_dim))
-
-  def generate(self, prompts, rollout_config, **kw):
-    cfg = rollout_config
-    out = self._sampler(
-        input_strings=prompts, max_generation_steps=cfg.max_tokens_to_generate,
-        max_prompt_length=cfg.max_prompt_length, echo=False, temperature=cfg.temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, pad_output=False,
-        eos_tokens=cfg.eos_tokens, return_logprobs=cfg.return_logprobs)
-    return base_rollout.RolloutOutput(text=out.text, logits=out.logits, tokens=out.tokens,
-                                      left_padded_prompt_tokens=out.padded_prompt_tokens,
-                                      logprobs=out.logprobs)
-
-
-def _rows(o, a, b):
-  """Rows a:b of a RolloutOutput."""
-  return base_rollout.RolloutOutput(
-      text=o.text[a:b], logits=None, tokens=o.tokens[a:b],
-      left_padded_prompt_tokens=o.left_padded_prompt_tokens[a:b],
-      logprobs=None if o.logprobs is None else o.logprobs[a:b])
-
-
-class BatchingRollout(StockRollout):
-  """Coalesces the 1-prompt generate calls that arrive within WINDOW_S (the first caller
-  leads: it sleeps the window, then runs the queue, up to BATCH_BUCKETS[-1] calls a
-  sampler call, padded to len_buckets x BATCH_BUCKETS). One fresh key a call (patch 1)."""
-
-  def __init__(self, rollout_actor, tokenizer, mesh, rollout_config, *, len_buckets, seed):
-    super().__init__(rollout_actor, tokenizer, mesh, rollout_config)
-    self.len_buckets, self._seed = len_buckets, seed
-    self._q, self._cv, self._leader = collections.deque(), threading.Condition(), False
-    self.batches = collections.Counter()
-
-  def run_batch(self, prompts, cfg):
-    Lb = next(b for b in self.len_buckets if b >= max(len(p.split()) for p in prompts))
-    Bb = next(b for b in BATCH_BUCKETS if b >= len(prompts))
-    self.batches[f"{Bb}x{Lb}"] += 1
-    self._seed += 1  # only the leader (or the warm-up, before train) gets here
-    out = StockRollout.generate(self, prompts + [prompts[0]] * (Bb - len(prompts)),
-                                dataclasses.replace(cfg, max_prompt_length=Lb, seed=self._seed))
-    return _rows(out, 0, len(prompts))
-
-  def generate(self, prompts, rollout_config, **kw):
-    if isinstance(prompts, str):  # the agentic path hands over one str
-      prompts = [prompts]
-    if len(prompts) != 1:  # the warm-up: one padded batch
-      return self.run_batch(prompts, rollout_config)
-    slot = {"prompt": prompts[0], "cfg": rollout_config, "out": None}
-    with self._cv:
-      self._q.append(slot)
-      lead, self._leader = not self._leader, True
-    if lead:
-      time.sleep(WINDOW_S)
-    while lead:
-      with self._cv:
-        if not self._q:
-          self._leader = False
-          break
-        batch = [self._q.popleft() for _ in range(min(len(self._q), BATCH_BUCKETS[-1]))]
-      try:
-        cfg = batch[0]["cfg"]  # each turn asks for max_new_tokens (patch 2): one program
-        if any(s["cfg"].max_tokens_to_generate != cfg.max_tokens_to_generate for s in batch):
-          raise RuntimeError("turns of different lengths in one sampler call")
-        out = self.run_batch([s["prompt"] for s in batch], cfg)
-        res = [_rows(out, j, j + 1) for j in range(len(batch))]
-      except BaseException as e:  # noqa: BLE001 (every waiter gets the error)
-        res = [e] * len(batch)
-      with self._cv:
-        for s, o in zip(batch, res):
-          s["out"] = o
-        self._cv.notify_all()
-    with self._cv:
-      while slot["out"] is None:
-        self._cv.wait()
-    if isinstance(slot["out"], BaseException):
-      raise slot["out"]
-    return slot["out"]
-
+# Beside this file in scripts/ (Tunix's venv has no knittrans_jax but its task modules).
+from tunix_agentic_env import IdParser, KnitAgenticEnv, Run, check, response_seeds, turn_seed
+from tunix_agentic_patches import EosInclusiveUtils, in_order_reward
+from tunix_common import IdTokenizer, ids_to_text, make_model, make_optimizer, mesh_1x1
+from tunix_rollouts import BATCH_BUCKETS, WINDOW_S, BatchingRollout, StockRollout
 
 class Learner(agl.GRPOLearner):
   """GRPOLearner with patches 1, 2, 5 and the staleness records; `run` set after init."""
-  run: _Run
+  run: Run
 
   def _model_call(self, chat_lists, env=None, max_generation_steps=None):
     run = self.run
@@ -354,9 +132,9 @@ class Learner(agl.GRPOLearner):
     return [ex.replace(policy_version=np.asarray(keys, np.int32)) for ex in out]
 
 
-def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokenizer) -> dict:
+def run_agentic(W, args, patches) -> dict:
   faulthandler.enable()  # a crash in a rollout thread prints its stack
-  run = _Run(W, args.check)
+  run = Run(W, args.check)
   G, n, steps, op = run.G, run.n, W["steps"], args.off_policy_steps
   if G % W["mini_batches"]:
     raise ValueError(f"{G} groups do not split into {W['mini_batches']} mini-batches")
@@ -376,8 +154,8 @@ def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokeni
   # tunix_side's module-level entries describe its text-path VanillaRollout.generate,
   # which this module's rollout classes bypass: the list starts afresh.
   patches.clear()
-  sampler_mod.utils = _EosInclusiveUtils()
-  tce.TrajectoryCollectEngine.compute_trajectory_reward = _in_order_reward
+  sampler_mod.utils = EosInclusiveUtils()
+  tce.TrajectoryCollectEngine.compute_trajectory_reward = in_order_reward
   patches += [
       "a seed per turn, ours (Tunix: PRNGKey(0) every call: a group's episodes identical)",
       "a turn asks min(max_new_tokens, remaining) + our end-of-budget rule (Tunix: all left)",
@@ -388,7 +166,7 @@ def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokeni
       "group advantage with the population std, ours (Tunix: sample std)"]
 
   mesh = mesh_1x1()
-  model, params = make_model(mesh)
+  model, params = make_model(W, patches, mesh)
   rollout_cfg = base_rollout.RolloutConfig(
       max_tokens_to_generate=max_response, temperature=W["sampler"]["temperature"],
       top_p=W["sampler"]["top_p"], top_k=None, max_prompt_length=prompt_len,
@@ -404,7 +182,7 @@ def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokeni
                                           rl_cluster_lib.Role.ROLLOUT)},
           rollout_engine=engine, offload_to_cpu=False,
           training_config=rl_cluster_lib.RLTrainingConfig(
-              actor_optimizer=make_optimizer(steps * W["mini_batches"]),
+              actor_optimizer=make_optimizer(W, steps * W["mini_batches"]),
               eval_every_n_steps=10**9, max_steps=steps, mini_batch_size=mini,
               train_micro_batch_size=mini,  # groups, not trajectories
               checkpoint_root_directory=None, metrics_logging_options=None,
@@ -457,7 +235,7 @@ def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokeni
         p *= 2
       shapes = [(1, L) for L in lens]
     for B, L in shapes:
-      cluster.generate(prompts=[ids_text([tasks.BOS] + [tasks.SEP] * (L - 1))] * B,
+      cluster.generate(prompts=[ids_to_text([tasks.BOS] + [tasks.SEP] * (L - 1))] * B,
                        apply_chat_template=False, max_generation_steps=run.max_new)
   t_warm = time.perf_counter()
   with cf.ThreadPoolExecutor(1) as pool:
@@ -508,38 +286,3 @@ def run_agentic(W, args, patches, make_model, make_optimizer, mesh_1x1, IdTokeni
   if args.check:
     out["check"] = check(run)
   return out
-
-
-def check(run) -> dict:
-  """Replays every trained episode through a fresh AgenticEnv (same task and episode
-  index, no sleeps), its tokens split by the mask into turns (1) and observations (0)."""
-  lat = run.task_cfg.latency
-  cfg = dataclasses.replace(run.task_cfg, latency=agentic_tasks.ToolLatency(0.0, 0.0, 0.0, 0.0))
-  keys = sorted({k for rows in run.step_rows.values() for k in rows})
-  bad_r = bad_obs = eos_end = 0
-  max_dr, lat_dev, first = 0.0, [], collections.defaultdict(set)
-  for k in keys:
-    r = run.rec[k]
-    task = run.task(r["gid"], r["source"])
-    env = agentic_tasks.AgenticEnv(task, r["pair"], cfg)
-    toks, mask = np.asarray(r["tokens"], np.int32), np.asarray(r["mask"], np.int32)
-    cuts = [0] + [i for i in range(1, len(mask)) if mask[i] != mask[i - 1]] + [len(mask)]
-    parts = [(mask[a], toks[a:b]) for a, b in zip(cuts, cuts[1:]) if b > a]
-    turns, obss = [t for m, t in parts if m == 1], [t for m, t in parts if m == 0]
-    total, obs_ok = 0.0, True
-    for i, t in enumerate(turns):
-      eos_end += int(t.size > 0 and t[-1] == tasks.EOS)
-      st = env.step(t)
-      total += st.reward
-      obs_ok &= i >= len(obss) or np.array_equal(obss[i], st.observation)
-    first[r["gid"]].add(tuple(turns[0]) if turns else ())
-    if r["source"] == "hop":  # the latencies the episode should have slept: the same draws
-      rng = np.random.default_rng([*task.latency_seed, r["pair"]])
-      lat_dev += [w - lat.draw(rng) for w in r.get("walls", [])]
-    dr = abs(total - r["reward"])
-    max_dr, bad_r, bad_obs = max(max_dr, dr), bad_r + int(dr > 0), bad_obs + int(not obs_ok)
-  return {"episodes": len(keys), "reward_mismatch": bad_r, "max_abs_reward_diff": max_dr,
-          "obs_mismatch": bad_obs, "turns_ending_eos": eos_end,
-          "distinct_first_turns_per_group": float(np.mean([len(v) for v in first.values()])),
-          "tool_wall_minus_latency_s": [min(lat_dev), float(np.median(lat_dev)), max(lat_dev)]
-          if lat_dev else None}

@@ -88,9 +88,7 @@ with open(ARGS.workload) as f:
   W = json.load(f)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -98,12 +96,13 @@ sys.path.insert(0, ROOT)  # the project's pure task modules only
 from knittrans_jax.data import split  # noqa: E402
 from knittrans_jax.rollout import tasks  # noqa: E402
 
-from tunix.models.qwen2 import model as qwen2_lib  # noqa: E402
 from tunix.rl import function_registry  # noqa: E402
 from tunix.rl import rl_cluster as rl_cluster_lib  # noqa: E402
 from tunix.rl.grpo import grpo_learner  # noqa: E402
 from tunix.rl.rollout import base_rollout  # noqa: E402
 from tunix.rl.rollout import vanilla_rollout  # noqa: E402
+from tunix_common import (IdTokenizer, ids_to_text, make_model, make_optimizer,  # noqa: E402
+                          mesh_1x1, text_to_ids)
 
 T_IMPORTED = time.perf_counter()
 absl_logging.set_verbosity(absl_logging.WARNING)
@@ -114,7 +113,7 @@ if ARGS.jax_cache:
 
 G, N, SEED = W["groups"], W["n"], W["seed"]
 QUOTA = W["quota"]
-PAD, EOS, BOS = tasks.PAD, tasks.EOS, tasks.BOS
+PAD, EOS = tasks.PAD, tasks.EOS
 PATCHES: list[str] = []
 
 
@@ -136,82 +135,6 @@ def step_sources(step: int) -> list[str]:
   block = [s for s, q in QUOTA.items() for _ in range(q)]
   order = np.random.default_rng([SEED, 7919, step]).permutation(len(block))
   return [block[i] for i in order]
-
-
-def ids_to_text(ids) -> str:
-  return " ".join(str(int(i)) for i in ids)
-
-
-def text_to_ids(text: str) -> np.ndarray:
-  return np.array([int(t) for t in text.split()], np.int32)
-
-
-class IdTokenizer:
-  """Text is the ids as decimal ints; maps ids 1:1 and adds nothing (Tunix prepends
-  BOS and drops a doubled one: our prompts start with BOS, so they come out as is)."""
-
-  def encode(self, text: str, **kwargs) -> list[int]:
-    return [int(t) for t in text.split()]
-
-  def decode(self, ids, **kwargs) -> str:
-    return ids_to_text(ids)
-
-  def bos_id(self) -> int:
-    return BOS
-
-  def eos_id(self) -> int:
-    return EOS
-
-  def pad_id(self) -> int:
-    return PAD
-
-
-# ------------------------------------------------------------------ model, optimizer
-
-def make_model(mesh):
-  m = W["model"]
-  cfg = qwen2_lib.ModelConfig(
-      num_layers=m["depth"], vocab_size=m["vocab_size"], embed_dim=m["width"],
-      hidden_dim=m["mlp_width"], num_heads=m["heads"], head_dim=m["head_dim"],
-      num_kv_heads=m["kv_heads"], rope_theta=int(m["rope_theta"]), norm_eps=m["norm_eps"],
-      use_tied_embedding=m["tie_embeddings"])
-  with mesh:
-    model = qwen2_lib.Qwen2(cfg, rngs=nnx.Rngs(SEED))
-  # Patch 5: ours' initialisation (module doc).
-  state = nnx.state(model, nnx.Param)
-  leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
-  key = jax.random.PRNGKey(SEED)
-  new = []
-  for i, (path, x) in enumerate(leaves):
-    name = jax.tree_util.keystr(path)
-    if "bias" in name:
-      v = jnp.zeros_like(x)
-    elif "norm" in name:
-      v = jnp.ones_like(x)
-    else:
-      v = 0.02 * jax.random.normal(jax.random.fold_in(key, i), x.shape, x.dtype)
-    new.append(jax.device_put(v, x.sharding))
-  nnx.update(model, jax.tree_util.tree_unflatten(treedef, new))
-  PATCHES.append("model initialised as ours: N(0, 0.02) matrices, zero biases, unit norms")
-  return model, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
-
-
-def make_optimizer(updates: int):
-  o = W["optimizer"]
-  if o["schedule"] != "cosine":
-    raise ValueError(f"optimizer schedule {o['schedule']!r}: this side builds 'cosine' only")
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, o["learning_rate"], o["warmup_steps"], max(updates, o["warmup_steps"] + 1),
-      end_value=0.1 * o["learning_rate"])
-  parts = [optax.clip_by_global_norm(o["clip_norm"])] if o["clip_norm"] else []
-  parts.append(optax.adamw(schedule, b1=o["b1"], b2=o["b2"], eps=o["eps"],
-                           weight_decay=o["weight_decay"]))
-  return optax.chain(*parts)
-
-
-def mesh_1x1():
-  # Auto axes, as tunix/utils/mesh.py makes them (Explicit axes break the embedding gather).
-  return jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
 
 
 # ------------------------------------------------------------------ patches (module doc)
@@ -259,7 +182,7 @@ def run_text() -> dict:
   prompt_len = max(prompt_len, 5)  # our PROMPT_LEN: every text prompt fits it
   new_tokens = W["sampler"]["max_new_tokens"]
   mesh = mesh_1x1()
-  model, params = make_model(mesh)
+  model, params = make_model(W, PATCHES, mesh)
   updates = steps * W["mini_batches"]
   rollout_config = base_rollout.RolloutConfig(
       max_tokens_to_generate=new_tokens, max_prompt_length=prompt_len,
@@ -267,7 +190,7 @@ def run_text() -> dict:
       kv_cache_size=prompt_len + new_tokens, eos_tokens=[EOS], seed=None)
   mini = G // W["mini_batches"]
   training_config = rl_cluster_lib.RLTrainingConfig(
-      actor_optimizer=make_optimizer(updates), eval_every_n_steps=10**9, max_steps=updates,
+      actor_optimizer=make_optimizer(W, updates), eval_every_n_steps=10**9, max_steps=updates,
       mini_batch_size=mini, train_micro_batch_size=mini,  # prompts, not trajectories
       rollout_micro_batch_size=G, compute_logps_micro_batch_size=G,
       checkpoint_root_directory=None, metrics_logging_options=None, pbar_description=None)
@@ -363,7 +286,7 @@ def main():
     out = run_text()
   elif W["suite"] == "agentic":
     from tunix_agentic import run_agentic  # noqa: E402  (scripts/, beside this file)
-    out = run_agentic(W, ARGS, PATCHES, make_model, make_optimizer, mesh_1x1, IdTokenizer)
+    out = run_agentic(W, ARGS, PATCHES)
   else:
     raise ValueError(f"workload suite {W['suite']!r}: this side runs 'text' and 'agentic'")
   out.update(framework="tunix", jax_version=jax.__version__, patches=PATCHES,

@@ -21,6 +21,12 @@ def test_no_package_module_over_450_lines():
   assert over("knittrans_jax/**/*.py", 450) == {}
 
 
+def test_no_script_over_350_lines():
+  """A script is a front end (flags, printing, its JSON); what it measures with lives
+  in knittrans_jax/bench/ or, where a peer's venv runs it, a helper beside it."""
+  assert over("scripts/*.py", 350) == {}
+
+
 def test_readme_and_status_fit_a_screen_or_two():
   assert over("README.md", 150) == {}
   assert over("docs/status.md", 120) == {}

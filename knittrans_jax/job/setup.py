@@ -114,9 +114,7 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"vocabulary {vocab}")
   s.suite.check(s)
   if cfg.seq_len < s.max_sequence_len:
-    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < the longest trajectory, "
-                     f"{s.max_sequence_len} tokens (prompt {s.prompt_len} + SamplerConfig."
-                     f"max_new_tokens {s.sampler.max_new_tokens}, or AgentConfig.max_tokens)")
+    raise ValueError(f"JobConfig.seq_len = {cfg.seq_len} < {s.suite.longest(s.sampler)}")
   if s.model.max_positions < s.max_sequence_len:
     raise ValueError(f"DecoderConfig.max_positions = {s.model.max_positions} < the longest "
                      f"trajectory, {s.max_sequence_len} tokens")

@@ -30,6 +30,9 @@ class AgenticSuite(TaskSuite):
     """An episode's context is at most AgentConfig.max_tokens."""
     return self.loop.max_tokens
 
+  def longest(self, sampler: SamplerConfig) -> str:
+    return f"AgentConfig.max_tokens = {self.loop.max_tokens}, an episode's longest context"
+
   def check(self, setup) -> None:
     """Budgets and fault injection, checked before any worker starts."""
     loop, cfg, sampler = self.loop, self.tasks, setup.sampler

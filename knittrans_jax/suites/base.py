@@ -95,6 +95,10 @@ class TaskSuite:
     """The longest trajectory: its prompt and one response."""
     return self.prompt_len + sampler.max_new_tokens
 
+  def longest(self, sampler: SamplerConfig) -> str:
+    """What makes the longest trajectory, for an error that names it."""
+    return f"prompt {self.prompt_len} + max_new_tokens {sampler.max_new_tokens}"
+
   def check(self, setup) -> None:
     """The suite's own rules, checked before any process starts (job/setup.py)."""
 
