@@ -93,7 +93,9 @@ def test_gin_configs_are_built_at_the_root():
 
 
 # Where a task family's own code lives: suites/ (a suite), models/ (its networks) and
-# multimodal/ (its steps); and the task generators the suites wrap, still in rollout/.
+# multimodal/ (its steps); and the task generators the suites wrap, in rollout/: pure
+# numpy modules that the Tunix side (scripts/tunix_*.py) imports without the package's
+# heavier dependencies, which suites/ brings in.
 FAMILY_CODE = ("knittrans_jax/suites/", "knittrans_jax/models/", "knittrans_jax/multimodal/")
 TASK_MODULES = {f"knittrans_jax/rollout/{m}.py" for m in (
     "tasks", "vision_tasks", "qwen_vision_tasks", "math_tasks", "math_reward", "agentic_tasks",

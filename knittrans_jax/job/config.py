@@ -10,6 +10,10 @@ from knittrans_jax.admission import POLICIES, TrainBatchSpec
 from knittrans_jax.admission.dispatch import DISPATCH_POLICIES
 from knittrans_jax.rollout.engine import ENGINES
 
+# Defaults that the classes below the config share, written once here.
+PREFETCH_DEPTH = 2  # micro-batches read ahead of the step (job/prefetch.py, OnDemand)
+STALL_TIMEOUT_S = 600.0  # no progress this long stops a run (job/controller.py)
+
 MODES = ("disaggregated", "colocated", "synchronous")
 CLUSTERS = ("local", "ray")
 
@@ -91,7 +95,7 @@ class JobConfig:
   seq_len: int = 24
   seed: int = 0
   store_url: str | None = None
-  prefetch_depth: int = 2  # micro-batches read ahead of the step
+  prefetch_depth: int = PREFETCH_DEPTH  # micro-batches read ahead of the step
   data_path: str = "ondemand"  # or 'centralized' (the baseline)
   # A row may go to a consumer on its unit's host if that keeps every consumer's
   # tokens within this fraction of the mean (dataplane/assignment.py); 0: never.
@@ -99,7 +103,7 @@ class JobConfig:
   suite: str = "text"  # or 'vision', 'math', 'agentic'
   encode_once: bool = True
   consumers: int | None = None
-  stall_timeout_s: float = 600.0
+  stall_timeout_s: float = STALL_TIMEOUT_S
   checkpoint: str | None = None
   dispatch: str = "shuffled"
   groups_per_call: int = 4

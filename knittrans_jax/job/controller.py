@@ -35,6 +35,7 @@ from typing import Callable, Sequence
 from knittrans_jax.admission import AdmissionPolicy, TrainBatchSpec
 from knittrans_jax.admission.costs import tail_bias
 from knittrans_jax.admission.dispatch import DispatchStream
+from knittrans_jax.job.config import STALL_TIMEOUT_S
 from knittrans_jax.job.progress import ControllerState
 from knittrans_jax.job.roles import Failed, Finished, RolloutPool
 from knittrans_jax.types import GroupInfo, MiniBatch, TrajMeta
@@ -48,7 +49,7 @@ class Controller:
 
   def __init__(self, spec: TrainBatchSpec, policy: AdmissionPolicy, dispatch: DispatchStream,
                pool: RolloutPool, state: ControllerState, *, window: int,
-               synchronous: bool = False, stall_timeout_s: float = 600.0,
+               synchronous: bool = False, stall_timeout_s: float = STALL_TIMEOUT_S,
                clock: Callable[[], float] = time.monotonic):
     self.spec, self.policy, self.pool, self.state = spec, policy, pool, state
     self.dispatch_order = dispatch  # the order prompt sources start in (admission/dispatch.py)

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 from knittrans_jax.cpu_profile import phase
 from knittrans_jax.dataplane.reader import DataReadError
+from knittrans_jax.job.config import PREFETCH_DEPTH
 
 ReadTask = tuple[str, Callable[[], Any]]  # (what it reads, for errors; the work)
 
@@ -48,7 +49,7 @@ def _run_job(label: str, fn: Callable[[], Any]):
 class Prefetcher:
   """Runs fed jobs in order on one thread, `depth` items ahead (see module doc)."""
 
-  def __init__(self, depth: int = 2):
+  def __init__(self, depth: int = PREFETCH_DEPTH):
     if depth < 1:
       raise ValueError(f"prefetch depth {depth} must be >= 1")
     self.stats = StreamStats()
