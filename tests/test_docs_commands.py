@@ -192,6 +192,8 @@ COVER: dict[str, Cover] = {
     ".venv/bin/python scripts/study.py --gin_file configs/study/agentic.gin "
     "--out runs/study_agentic":
         Cover("check", toy="tests/test_study.py (this study's grid on configs/agentic_test.gin)"),
+    ".venv/bin/python scripts/study.py --gin_file configs/study/corrections.gin "
+    "--out runs/study_corrections": Cover("check", toy="tests/test_objectives.py"),
     ".venv/bin/python scripts/study.py --gin_file configs/study/peers.gin "
     "--out runs/study_peers":
         Cover("check", toy="tests/test_study.py (the agentic study's grid; this one's "
@@ -245,6 +247,11 @@ COVER: dict[str, Cover] = {
             "the same flags (knittrans_jax/testing/vllm_server.server_command) on a tiny one"),
     ".venv/bin/python scripts/train.py --gin_file configs/text_grpo_vllm_server.gin --workdir "
     "runs/vllm_server": Cover("check", toy="tests/test_vllm_server.py"),
+    # docs/training.md: the objectives' recipes
+    **{f".venv/bin/python scripts/train.py --gin_file configs/agentic_tails.gin --gin_file "
+       f"configs/recipes/{r}.gin --workdir runs/{r}": Cover("check", toy="tests/test_objectives.py")
+       for r in ("grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp",
+                 "decoupled_ppo")},
     # docs/agents.md
     ".venv/bin/python scripts/train.py --gin_file configs/agentic_tails.gin --workdir runs/agentic "
     "--overwrite": Cover("check", toy="tests/test_agentic_job.py"),

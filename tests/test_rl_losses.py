@@ -22,11 +22,11 @@ def test_clipping_on_both_sides():
   behaviour = jnp.zeros((1, 4))
   logp = jnp.log(jnp.array([[1.5, 1.5, 0.5, 0.5]]))  # ratios 1.5, 1.5, 0.5, 0.5
   adv = jnp.array([1.0])
-  loss, ratio, clipped = ppo_token_terms(logp, behaviour, adv, cfg)
+  loss, ratio, clipped, _ = ppo_token_terms(logp, behaviour, adv, cfg)
   # A > 0: min(1.5 A, 1.3 A) = 1.3 (clipped high); ratio 0.5: min(0.5, 0.8) = 0.5 (not clipped).
   np.testing.assert_allclose(loss[0], [-1.3, -1.3, -0.5, -0.5], rtol=1e-6)
   np.testing.assert_array_equal(clipped[0], [1, 1, 0, 0])
-  loss, _, clipped = ppo_token_terms(logp, behaviour, jnp.array([-1.0]), cfg)
+  loss, _, clipped, _ = ppo_token_terms(logp, behaviour, jnp.array([-1.0]), cfg)
   # A < 0: min(-1.5, -1.3) = -1.5 (not clipped); min(-0.5, -0.8) = -0.8 (clipped low).
   np.testing.assert_allclose(loss[0], [1.5, 1.5, 0.8, 0.8], rtol=1e-6)
   np.testing.assert_array_equal(clipped[0], [0, 0, 1, 1])
@@ -35,7 +35,7 @@ def test_clipping_on_both_sides():
 def test_kl_term_is_k3():
   cfg = LossConfig(kl_coef=0.5)
   logp, ref = jnp.array([[-1.0]]), jnp.array([[-2.0]])
-  loss, _, _ = ppo_token_terms(logp, logp, jnp.array([0.0]), cfg, ref_logp=ref)
+  loss, _, _, _ = ppo_token_terms(logp, logp, jnp.array([0.0]), cfg, ref_logp=ref)
   d = -1.0
   np.testing.assert_allclose(loss[0, 0], 0.5 * (np.exp(d) - d - 1), rtol=1e-6)
 
@@ -80,24 +80,24 @@ def test_behaviour_corrections_by_hand():
   logp = jnp.log(jnp.array([[4.0, 1.0, 0.25, 1.1]]))  # ratios 4, 1, 0.25, 1.1
   adv = jnp.array([-1.0])  # A < 0: no clipping of the large ratio (min picks r A)
   base = LossConfig(clip_low=0.2, clip_high=0.2)
-  plain, _, _ = ppo_token_terms(logp, behaviour, adv, base)
+  plain, _, _, _ = ppo_token_terms(logp, behaviour, adv, base)
   np.testing.assert_allclose(plain[0], [4.0, 1.0, 0.8, 1.1], rtol=1e-6)
   trunc = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="truncate", is_high=2.0)
-  loss, _, _ = ppo_token_terms(logp, behaviour, adv, trunc)
+  loss, _, _, _ = ppo_token_terms(logp, behaviour, adv, trunc)
   np.testing.assert_allclose(loss[0], [2.0, 1.0, 0.8, 1.1], rtol=1e-6)  # 4 x (2 / 4)
   # d/dlogp of r * A * sg(2 / r) at r = 4: A * r * (2 / r) = -2 (the capped weight).
   g = jax.grad(lambda lp: ppo_token_terms(lp, behaviour, adv, trunc)[0].sum())(logp)
   np.testing.assert_allclose(g[0, 0], 2.0, rtol=1e-6)  # loss = -min(...) * w: d = -A r w
   mask = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="mask", is_low=0.5,
                     is_high=2.0)
-  loss, _, _ = ppo_token_terms(logp, behaviour, adv, mask)
+  loss, _, _, _ = ppo_token_terms(logp, behaviour, adv, mask)
   np.testing.assert_allclose(loss[0], [0.0, 1.0, 0.0, 1.1], rtol=1e-6)
   g = jax.grad(lambda lp: ppo_token_terms(lp, behaviour, adv, mask)[0].sum())(logp)
   assert g[0, 0] == 0 and g[0, 2] == 0 and g[0, 1] != 0
   # The KL penalty is not corrected: a masked token keeps its k3 term.
   ref = jnp.zeros((1, 4))
   kl = LossConfig(clip_low=0.2, clip_high=0.2, behaviour_correction="mask", kl_coef=0.5)
-  loss, _, _ = ppo_token_terms(logp, behaviour, adv, kl, ref)
+  loss, _, _, _ = ppo_token_terms(logp, behaviour, adv, kl, ref)
   d = -np.log(4.0)
   np.testing.assert_allclose(loss[0, 0], 0.5 * (np.exp(d) - d - 1), rtol=1e-5)
   with pytest.raises(ValueError, match="behaviour_correction = 'tis'"):

@@ -1,6 +1,6 @@
 """Payload -> the static-shape arrays a train step takes (host numpy): right-padded,
 a row per trajectory, or packed, several trajectories a row. The trainer's side.
-The advantages it places come from the planner (rl/advantages.group_advantages_by_id,
+The advantages it places come from the planner (rl/advantages.advantages_by_id,
 over metadata), the packed rows too (dataplane/packing.py)."""
 from __future__ import annotations
 

@@ -86,6 +86,9 @@ def job_setup(cfg: JobConfig) -> JobSetup:
       weights=WeightSyncConfig(), checkpoint=CheckpointConfig(), mesh=MeshConfig(),
       optimizer=OptimizerConfig().for_steps(cfg.train_batches * cfg.spec.num_mini_batches),
       evaluation=EvalConfig(), encode_once=EncodeOnceConfig())
+  if setup.loss.aggregation == "constant" and not setup.loss.norm_len:  # Dr. GRPO's constant
+    setup = dataclasses.replace(setup, loss=dataclasses.replace(
+        setup.loss, norm_len=setup.max_sequence_len - setup.prompt_len))
   setup.weights.resolve(cfg.cluster)  # a transport the cluster cannot serve fails here
   _check_model_and_tasks(setup)
   if cfg.engine == "vllm":
@@ -124,6 +127,10 @@ def _check_model_and_tasks(s: JobSetup) -> None:
                      f"the {cfg.suite} tasks are {s.sources}")
   # The loss recomputes log-probs of logits / LossConfig.temperature; the behaviour
   # log-probs came from the sampler's: different temperatures bias every ratio.
+  longest = s.max_sequence_len - s.prompt_len
+  if s.loss.overlong_buffer > longest:
+    raise ValueError(f"LossConfig.overlong_buffer = {s.loss.overlong_buffer} exceeds the "
+                     f"longest response, {longest} tokens")
   if s.loss.temperature != s.sampler.temperature:
     raise ValueError(f"LossConfig.temperature = {s.loss.temperature} differs from "
                      f"SamplerConfig.temperature = {s.sampler.temperature}: the "
@@ -180,7 +187,9 @@ def make_planner(setup: JobSetup, consumers: int, trainers,
   image slots), each consumer's host)."""
   cfg = setup.cfg
   return StepPlanner(
-      consumers, cfg.micro_batch_size, setup.loss.normalize_adv_std,
+      consumers, cfg.micro_batch_size, setup.loss.advantage,
+      overlong=((setup.max_sequence_len - setup.prompt_len, setup.loss.overlong_buffer)
+                if setup.loss.overlong_buffer else None),
       image_slots=(image_slots(trainers.rows_multiple, consumers, cfg.spec.mini_batch_groups)
                    if trainers.shared_images else None),
       consumer_host=trainers.consumer_host, unit_host=unit_host,

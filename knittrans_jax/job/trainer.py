@@ -45,6 +45,7 @@ import numpy as np
 from knittrans_jax.dataplane import OnDemandReads, describe
 from knittrans_jax.dataplane.centralized import CentralizedReads
 from knittrans_jax.job.batching import build_batch, build_packed_batch, segment_spans
+from knittrans_jax.job.config import PREFETCH_DEPTH
 from knittrans_jax.job.prefetch import Inline, Prefetcher
 from knittrans_jax.job.work import StepWork
 from knittrans_jax.storage import TrajectoryStore
@@ -61,7 +62,7 @@ class OnDemand:
   `unit_host` (unit -> host) and this trainer's `host`, the bytes read from units on
   this host are counted (logs/trainer{p}.json)."""
   store: TrajectoryStore
-  depth: int = 2
+  depth: int = PREFETCH_DEPTH
   read: Callable | None = None
   unit_host: Callable[[str], str] | None = None
   host: str | None = None
@@ -200,7 +201,9 @@ class Trainer:
       self.prefetch(work)
     self._fed.popleft()
     fns, params = self.fns, self.state.params
-    total = jnp.float32(work.total_tokens)
+    # The loss sum's normaliser (LossConfig.aggregation): by default the mini-batch's
+    # loss tokens; its sequences are the trajectories the plan gives advantages.
+    total = jnp.float32(fns.loss.normaliser(work.total_tokens, len(work.advantages)))
     sums = None
     if self.shared_step is not None:
       images = self._take()

@@ -16,7 +16,7 @@ from typing import Callable
 from knittrans_jax.dataplane import plan_micro_batches
 from knittrans_jax.dataplane.packing import PackLayout
 from knittrans_jax.multimodal.image_plan import ImagePlan, plan_images
-from knittrans_jax.rl.advantages import group_advantages_by_id
+from knittrans_jax.rl.advantages import advantages_by_id
 from knittrans_jax.types import MiniBatch, TrajMeta
 
 
@@ -76,7 +76,8 @@ class StepPlanner:
   the token balance allows (dataplane/assignment.py)."""
   consumers: int
   micro_batch_size: int
-  normalize_adv_std: bool = True
+  advantage: str = "grpo"  # LossConfig.advantage: the estimator (rl/advantages.py)
+  overlong: tuple[int, int] | None = None  # (longest response, LossConfig.overlong_buffer)
   image_slots: tuple[int, int] | None = None
   consumer_host: tuple[str, ...] | None = None
   unit_host: Callable[[str], str] | None = dataclasses.field(default=None, compare=False)
@@ -95,7 +96,7 @@ class StepPlanner:
       multiple, min_slots = self.image_slots
       images = plan_images(plan.consumers, slot_multiple=multiple, min_slots=min_slots)
     return StepWork(key=(mb.train_batch, mb.index), consumers=plan.consumers,
-                    advantages=group_advantages_by_id(mb.groups, self.normalize_adv_std),
+                    advantages=advantages_by_id(mb.groups, self.advantage, self.overlong),
                     # the loss tokens (mask 1) as the store counted them
                     total_tokens=sum(m.trained_tokens for m in metas), images=images,
                     local_fraction=(plan.local_fraction if self.unit_host and self.consumer_host

@@ -1,4 +1,4 @@
-"""PPO-style clipped surrogate for GRPO, with a true global token mean.
+"""The policy objective (LossConfig) summed over tokens, with a true global normaliser.
 
 All functions are pure and jit-friendly. Shapes: [B, T] per token, [B] per row.
 Positions are aligned so that logp[:, t] is the log-prob of tokens[:, t] given the
@@ -14,31 +14,56 @@ import jax.numpy as jnp
 
 from knittrans_jax.hidden import Hidden
 from knittrans_jax.mesh import constrain
+from knittrans_jax.rl import objectives
+from knittrans_jax.rl.advantages import ESTIMATORS
 
-CORRECTIONS = ("none", "truncate", "mask")
+CORRECTIONS = ("none", *objectives.TOKEN_CORRECTIONS, *objectives.SEQUENCE_CORRECTIONS)
+POLICY_LOSSES = objectives.POLICY_LOSSES
+AGGREGATIONS = ("token_mean", "seq_mean", "constant")
 
 
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """clip_low/clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high]
-  (DAPO's clip-higher uses a larger clip_high). kl_coef > 0 adds the k3 estimator
-  of KL(policy || reference) per token; off by default.
+  """The objective: an advantage estimator, a policy loss and its aggregation.
+
+  advantage (rl/advantages.py): 'grpo' (group-normalised, the default), 'dr_grpo'
+  (no std), 'rloo' (leave-one-out) or 'reinforce_pp' (group mean, batch-normalised).
+  policy_loss (rl/objectives.py): 'ppo' (the clipped surrogate; clip-higher with
+  clip_high > clip_low, as in DAPO), 'gspo' (the sequence's length-normalised ratio,
+  clipped per sequence: clip_low/high are then GSPO's small ranges, e.g. 3e-4 and
+  4e-4) or 'cispo' (the policy gradient weighted by the stopped, clipped IS ratio:
+  every token keeps its gradient) or 'decoupled_ppo' (AReaL's: the clip against the
+  proximal policy, the behaviour ratio as a weight capped at is_high; no extra
+  forward here, rl/objectives.py says why). aggregation: 'token_mean' (over the mini-batch's
+  loss tokens, the default), 'seq_mean' (each sequence's token mean, averaged over
+  sequences) or 'constant' (Dr. GRPO: the token sum over sequences x norm_len).
+  kl_coef > 0 adds the k3 estimator of KL(policy || reference) per token.
 
   behaviour_correction: what to do with tokens whose ratio r = pi/mu (trainer policy
   over the rollout engine's behaviour log-prob) is far from 1, which an engine's
-  numerics and the staleness both cause (off by default):
-    'none'      the clipped surrogate as is;
-    'truncate'  truncated importance sampling: each token's surrogate is scaled by
-                sg(min(1, is_high / r)), so no token weighs more than is_high;
-    'mask'      tokens with r outside [is_low, is_high] get no surrogate gradient
-                (the term is 0; they still count in the token mean).
-  Neither touches the KL penalty.
+  numerics and the staleness both cause (off by default; rl/objectives.py):
+    'none'          the policy loss as is;
+    'truncate'      token TIS: each token's term scaled by sg(min(1, is_high / r));
+    'mask'/'icepop' tokens with r outside [is_low, is_high] get no gradient (the term
+                    is 0; they still count in the normaliser);
+    'seq_truncate'  sequence TIS, on the sequence's ratio (the product of its r);
+    'seq_mask'      masked IS (MIS): a sequence whose ratio is outside the band is out;
+    'geo_reject'    the same on the ratio's geometric mean over the sequence.
+  None touches the KL penalty.
   """
   clip_low: float = 0.2
   clip_high: float = 0.2
   kl_coef: float = 0.0
-  normalize_adv_std: bool = True
+  advantage: str = "grpo"
+  policy_loss: str = "ppo"
+  aggregation: str = "token_mean"
+  # aggregation 'constant': Dr. GRPO's length constant in tokens (0: the job's set-up
+  # takes the run's longest response)
+  norm_len: int = 0
+  # DAPO's overlong shaping (rl/advantages.overlong_penalty): rewards of responses
+  # longer than the longest response less this many tokens are lowered; 0: off.
+  overlong_buffer: int = 0
   temperature: float = 1.0  # must equal the sampler's: log-probs of logits / temperature
   # Tokens per chunk of the chunked log-probs (a model that returns `Hidden`): one
   # chunk's [B, chunk, vocab] logits exist at a time, forward and backward.
@@ -48,14 +73,47 @@ class LossConfig:
   is_high: float = 2.0
 
   def __post_init__(self):
-    if self.behaviour_correction not in CORRECTIONS:
-      raise ValueError(f"LossConfig.behaviour_correction = {self.behaviour_correction!r}: use "
-                       f"one of {CORRECTIONS}")
+    for field, value, allowed in (("advantage", self.advantage, ESTIMATORS),
+                                  ("policy_loss", self.policy_loss, POLICY_LOSSES),
+                                  ("aggregation", self.aggregation, AGGREGATIONS),
+                                  ("behaviour_correction", self.behaviour_correction,
+                                   CORRECTIONS)):
+      if value not in allowed:
+        raise ValueError(f"LossConfig.{field} = {value!r}: use one of {allowed}")
     if not isinstance(self.logprob_chunk, int) or self.logprob_chunk <= 0:
       raise ValueError(f"LossConfig.logprob_chunk = {self.logprob_chunk!r} must be a positive int")
     if not 0 < self.is_low <= 1 <= self.is_high:
       raise ValueError(f"LossConfig: is_low {self.is_low} and is_high {self.is_high} must "
                        "satisfy 0 < is_low <= 1 <= is_high")
+    if not (0 <= self.clip_low <= 1 and self.clip_high >= 0):
+      raise ValueError(f"LossConfig: clip_low {self.clip_low} in [0, 1] and clip_high "
+                       f"{self.clip_high} >= 0 are required")
+    if self.norm_len < 0:
+      raise ValueError(f"LossConfig.norm_len = {self.norm_len}: must be >= 0 (0: the run's "
+                       "longest response, set by the job's set-up)")
+    if self.overlong_buffer < 0:
+      raise ValueError(f"LossConfig.overlong_buffer = {self.overlong_buffer}: must be >= 0")
+    if self.policy_loss == "decoupled_ppo" and self.behaviour_correction != "none":
+      raise ValueError(f"LossConfig.policy_loss = 'decoupled_ppo' with behaviour_correction = "
+                       f"{self.behaviour_correction!r}: decoupled PPO weighs the behaviour ratio "
+                       "itself (capped at is_high); a second correction would apply it twice")
+    if self.policy_loss == "gspo" and self.behaviour_correction in objectives.TOKEN_CORRECTIONS:
+      raise ValueError(f"LossConfig.policy_loss = 'gspo' with behaviour_correction = "
+                       f"{self.behaviour_correction!r}: GSPO clips a sequence-level ratio; a "
+                       "token-level band or truncation would cut inside its sequences (use a "
+                       "sequence-level one: 'seq_truncate', 'seq_mask', 'geo_reject')")
+
+  def normaliser(self, tokens: int, sequences: int) -> float:
+    """What a mini-batch's loss sum is divided by (`aggregation`): its loss tokens,
+    its sequences (each already its token mean), or sequences x norm_len."""
+    if self.aggregation == "token_mean":
+      return float(max(tokens, 1))
+    if self.aggregation == "seq_mean":
+      return float(max(sequences, 1))
+    if self.norm_len <= 0:
+      raise ValueError("LossConfig.aggregation = 'constant' needs LossConfig.norm_len > 0 "
+                       "(Dr. GRPO's length constant; the job sets the longest response)")
+    return float(max(sequences, 1) * self.norm_len)
 
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -119,25 +177,32 @@ def logprobs_of(outputs, tokens, config: LossConfig):
 
 
 def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.Array,
-                    config: LossConfig, ref_logp: jax.Array | None = None):
-  """Per-token loss terms (to be summed under the mask) and the clip indicator.
-  `advantages`: per row [B], or per token [B, T] (a packed batch)."""
-  ratio = jnp.exp(logp - behaviour_logp)
+                    config: LossConfig, ref_logp: jax.Array | None = None,
+                    mask: jax.Array | None = None, seq_ids: jax.Array | None = None):
+  """Per-token loss terms (to be summed under the aggregation's weights), each token's
+  ratio, the clip indicator and the corrected indicator (behaviour_correction), for
+  `config.policy_loss` (rl/objectives.py).
+  `advantages`: per row [B], or per token [B, T] (a packed batch); `mask` and
+  `seq_ids` (sequence_ids) are needed by the sequence-level loss (GSPO)."""
   adv = advantages if advantages.ndim == 2 else advantages[:, None]
-  unclipped = ratio * adv
-  clipped = jnp.clip(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high) * adv
-  loss = -jnp.minimum(unclipped, clipped)
-  # The corrections weigh the surrogate only, not the KL penalty below.
-  if config.behaviour_correction == "truncate":
-    loss = loss * jax.lax.stop_gradient(jnp.minimum(1.0, config.is_high / ratio))
-  elif config.behaviour_correction == "mask":
-    keep = (ratio >= config.is_low) & (ratio <= config.is_high)
-    loss = jnp.where(jax.lax.stop_gradient(keep), loss, 0.0)
+  adv = jnp.broadcast_to(adv, logp.shape)
+  if mask is None:
+    mask = jnp.ones_like(logp)
+  if seq_ids is None:
+    seq_ids = jnp.broadcast_to(jnp.arange(logp.shape[0])[:, None], logp.shape)
+  loss, ratio, was_clipped = objectives.policy_terms(
+      config.policy_loss, logp, behaviour_logp, adv, mask, seq_ids, config.clip_low,
+      config.clip_high, config.is_high)
+  # The corrections weigh the policy term only, not the KL penalty below; a masked
+  # term is 0 (not 0 x a term that could be inf).
+  weight, corrected = objectives.correction_weights(
+      config.behaviour_correction, logp - behaviour_logp, mask, seq_ids, config.is_low,
+      config.is_high)
+  loss = jnp.where(weight > 0, loss * weight, 0.0)
   if config.kl_coef and ref_logp is not None:
     d = ref_logp - logp
     loss = loss + config.kl_coef * (jnp.exp(d) - d - 1.0)
-  was_clipped = (clipped < unclipped).astype(jnp.float32)
-  return loss, ratio, was_clipped
+  return loss, ratio, was_clipped, corrected
 
 
 def merge_sums(a: dict, b: dict) -> dict:
@@ -150,7 +215,8 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
   `outputs`: the model's logits, or its `Hidden` states (chunked log-probs).
 
   Returning sums lets micro-batches and consumers be added up and divided once by
-  the mini-batch's total token count: a true global token mean (`merge_sums`).
+  the mini-batch's normaliser (LossConfig.normaliser: by default its total token
+  count, a true global token mean; `merge_sums`).
 
   With `version` (the parameters' policy version) and the batch's per-row
   `version_first`/`version_last`, the sums also measure the engine against the
@@ -160,10 +226,13 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
   """
   logp, entropy = logprobs_of(outputs, batch["tokens"], config)
   mask = batch["loss_mask"].astype(logp.dtype)
-  loss, ratio, clipped = ppo_token_terms(logp, batch["behaviour_logp"], batch["advantages"],
-                                         config, batch.get("ref_logp"))
+  seq_ids = objectives.sequence_ids(mask, batch.get("segment_ids"))
+  loss, ratio, clipped, corrected = ppo_token_terms(
+      logp, batch["behaviour_logp"], batch["advantages"], config, batch.get("ref_logp"), mask,
+      seq_ids)
+  weights = objectives.token_weights(config.aggregation, mask, seq_ids)
   sums = {
-      "loss": jnp.sum(loss * mask),
+      "loss": jnp.sum(loss * weights),
       "clip_frac": jnp.sum(clipped * mask),
       "entropy": jnp.sum(entropy * mask),
       "ratio": jnp.sum(ratio * mask),
@@ -176,10 +245,7 @@ def ppo_loss_sum(outputs, batch: dict, config: LossConfig, version=None):
   if config.kl_coef and "ref_logp" in batch:  # the k3 estimate of KL(policy || reference)
     d = batch["ref_logp"] - logp
     sums["kl"] = jnp.sum((jnp.exp(d) - d - 1.0) * mask)
-  if config.behaviour_correction != "none":
-    corrected = ratio > config.is_high
-    if config.behaviour_correction == "mask":
-      corrected = corrected | (ratio < config.is_low)
+  if config.behaviour_correction != "none":  # tokens truncated, masked or rejected
     sums["corrected"] = jnp.sum(corrected * mask)
   if version is not None and "version_first" in batch:
     fresh = (batch["version_first"] == version) & (batch["version_last"] == version)
