@@ -176,12 +176,43 @@ def test_overlong_penalty_is_dapos_soft_punishment():
                              [0.0, 0.0, -0.5, -1.0, -1.0])
 
 
+def test_recipes_reach_the_job_setup_and_planner():
+  """Dr. GRPO's constant is the run's longest response, DAPO's overlong shaping and
+  zero-signal drop reach the planner and the admission spec (in this process, from
+  the recipes' gin files on the agentic workload)."""
+  import argparse
+
+  import gin
+
+  from knittrans_jax import cli, gin_cli
+  from knittrans_jax.job.config import JobConfig
+  from knittrans_jax.job.setup import job_setup, make_planner
+  cli.register_configurables()
+
+  def setup_of(recipe):
+    gin.clear_config()
+    gin_cli.parse(argparse.Namespace(gin_file=["configs/agentic_tails.gin",
+                                               f"configs/recipes/{recipe}.gin"],
+                                     gin_bindings=[]))
+    try:
+      return job_setup(JobConfig())
+    finally:
+      gin.clear_config()
+
+  longest = 80 - 4  # AgentConfig.max_tokens less the agentic prompt
+  dr = setup_of("dr_grpo")
+  assert dr.loss.aggregation == "constant" and dr.loss.norm_len == longest
+  dapo = setup_of("dapo")
+  trainers = argparse.Namespace(rows_multiple=1, shared_images=False, consumer_host=None)
+  planner = make_planner(dapo, 1, trainers, None)
+  assert planner.overlong == (longest, 16) and dapo.cfg.spec.drop_zero_signal
+  assert dapo.loss.clip_high == 0.28 and setup_of("gspo").loss.policy_loss == "gspo"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["dr_grpo", "dapo", "gspo"])
-def test_recipes_run_the_agentic_job(tmp_path, recipe):
-  """The recipes whose parts reach past the loss (Dr. GRPO's constant from the run's
-  longest response, DAPO's overlong shaping and zero-signal drop, GSPO's sequences in
-  packed rows) run the agentic job end to end: every step trains, loss finite."""
+def test_a_sequence_level_recipe_runs_the_agentic_job(tmp_path):
+  """GSPO (a sequence's ratio over packed rows' segments) runs the agentic job end to
+  end: every step trains, the loss is finite, the operative config names it."""
   import json
   import math
   import os
@@ -189,8 +220,8 @@ def test_recipes_run_the_agentic_job(tmp_path, recipe):
   from knittrans_jax.job.metrics import read_metrics
   from test_job import finish, start
   gin_file = tmp_path / "run.gin"
-  gin_file.write_text(f"include 'configs/agentic_test.gin'\n"
-                      f"include 'configs/recipes/{recipe}.gin'\n")
+  gin_file.write_text("include 'configs/agentic_test.gin'\n"
+                      "include 'configs/recipes/gspo.gin'\n")
   work = tmp_path / "run"
   finish(start(work, "JobConfig.train_batches = 1", "JobConfig.mode = 'colocated'",
                gin_file=str(gin_file)))
@@ -198,8 +229,7 @@ def test_recipes_run_the_agentic_job(tmp_path, recipe):
   recs = read_metrics(str(work))
   assert summary["steps"] == len(recs) == 2 and summary["quota_violations"] == 0
   assert all(math.isfinite(r["loss"]) for r in recs)
-  assert f"LossConfig.policy_loss = '{'gspo' if recipe == 'gspo' else 'ppo'}'" in open(
-      os.path.join(work, "operative_config.gin")).read()
+  assert "LossConfig.policy_loss = 'gspo'" in open(os.path.join(work, "operative_config.gin")).read()
 
 
 def reference_weights(kind, logp, behaviour, mask, lo, hi):

@@ -85,7 +85,11 @@ def test_runner_on_the_agentic_study_at_toy_size_resumes(tmp_path, monkeypatch):
       "study.seeds = (0, 1)\n"
       "study.train_batches = 1\n"
       "study.threshold = 0.0\n"
-      "study.common_bindings = ['EvalConfig.every_steps = 1', 'EvalConfig.prompts_per_source = 2']\n"
+      # No tool sleeps, 6 groups a train batch (not 8): the grid's machinery, not its tails.
+      "study.common_bindings = ['EvalConfig.every_steps = 1', 'EvalConfig.prompts_per_source = 2',\n"
+      "                         'ToolLatency.median_s = 0.0',\n"
+      "                         'TrainBatchSpec.source_quota = {\"hop\": 4, \"nearest\": 2}',\n"
+      "                         'TrainBatchSpec.groups_per_batch = 6']\n"
       "study.selection_seeds = (5, 6)\n"
       "study.configurations = {\n"
       "  'synchronous': [\"JobConfig.mode = 'synchronous'\"],\n"
