@@ -36,15 +36,15 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import time
-from typing import Any, Callable
+from typing import Any
 
 import gin
 import numpy as np
 
 from knittrans_jax.rollout.engine import GroupRequest, RolloutEngine, ToolInsert
 from knittrans_jax.types import TurnSpan
-from knittrans_jax.rollout.environment import (Environment, EnvironmentError, checked_ids,
-                                               checked_step)
+from knittrans_jax.rollout.environment import (EnvCall, Environment, EnvironmentError,
+                                               checked_ids, checked_step, is_inline)
 
 WAIT_S = 0.05  # an idle engine waits on environments at most this long per step()
 
@@ -155,32 +155,6 @@ class FailedGroup:
   reason: str
 
 
-class _Call:
-  """An environment call on the pool; `started` is set when a thread runs it. An
-  `inline` environment's call runs here, on the caller's thread (a pure scorer)."""
-
-  def __init__(self, pool: cf.ThreadPoolExecutor, fn: Callable, *args, inline: bool = False):
-    self.submitted, self.started = time.perf_counter(), None
-    self.seconds = 0.0
-    if inline:
-      self.started, self.future = self.submitted, cf.Future()
-      try:
-        self.future.set_result(fn(*args))
-      except Exception as e:  # noqa: BLE001 (named by the loop, as a pooled call's)
-        self.future.set_exception(e)
-      self.seconds = time.perf_counter() - self.started
-      return
-
-    def run():
-      self.started = time.perf_counter()
-      try:
-        return fn(*args)
-      finally:
-        self.seconds = time.perf_counter() - self.started
-
-    self.future = pool.submit(run)
-
-
 @dataclasses.dataclass
 class _Episode:
   env: Environment
@@ -190,7 +164,7 @@ class _Episode:
   turns: list[Turn] = dataclasses.field(default_factory=list)
   reward: float = 0.0
   env_s: float = 0.0
-  call: _Call | None = None  # the environment call in flight
+  call: EnvCall | None = None  # the environment call in flight
   generating: bool = False  # a turn is in the engine
   # the turn the call answers: (tokens, logprobs, versions, reason, gen_s, inserted, engine_s)
   pending: tuple | None = None
@@ -245,7 +219,7 @@ class AgentLoop:
                time.perf_counter(), self._adds, image, tool)
     self.groups[group_id] = g
     for ep in g.episodes:
-      ep.call = _Call(self.pool, ep.env.reset, task, inline=_inline(ep.env))
+      ep.call = EnvCall(self.pool, ep.env.reset, task, inline=is_inline(ep.env))
     if self._since is None:
       self._since = time.perf_counter()
 
@@ -284,7 +258,7 @@ class AgentLoop:
       self.work_s += time.perf_counter() - start
     else:
       calls = [ep.call.future for g in self.groups.values() for ep in g.episodes
-               if ep.call is not None]
+               if ep.call is not None and isinstance(ep.call.future, cf.Future)]
       if calls:
         cf.wait(calls, timeout=min(WAIT_S, self._next_deadline()),
                 return_when=cf.FIRST_COMPLETED)
@@ -432,7 +406,7 @@ class AgentLoop:
     ep.pending = (np.asarray(r.tokens, np.int32), np.asarray(r.logprobs, np.float32),
                   tuple(r.versions), r.finish_reason, time.perf_counter() - sent, r.inserted,
                   fg.seconds)
-    ep.call = _Call(self.pool, ep.env.step, ep.pending[0], inline=_inline(ep.env))
+    ep.call = EnvCall(self.pool, ep.env.step, ep.pending[0], inline=is_inline(ep.env))
 
   def _ended(self) -> list[EpisodeGroup]:
     out = []
@@ -444,7 +418,3 @@ class AgentLoop:
             for ep in g.episodes), time.perf_counter() - g.added))
     return out
 
-
-def _inline(env: Environment) -> bool:
-  """Whether the environment's calls run on the loop's thread (Environment.inline)."""
-  return bool(getattr(env, "inline", False))

@@ -20,8 +20,10 @@ come in through an adapter that owns a tokenizer (rollout/skyrl_env.py).
 from __future__ import annotations
 
 import abc
+import concurrent.futures as cf
 import dataclasses
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
 
@@ -91,3 +93,49 @@ def checked_step(env: str, step: int, out, vocab_size: int | None) -> EnvStep:
     raise EnvironmentError(env, step, f"done: a bool expected, got {out.done!r}")
   obs = checked_ids(env, step, "observation", out.observation, vocab_size)
   return EnvStep(obs, float(reward), bool(out.done), dict(out.info or {}))
+
+
+def is_inline(env: Environment) -> bool:
+  """Whether the environment's calls run on the caller's thread (Environment.inline)."""
+  return bool(getattr(env, "inline", False))
+
+
+class _Done:
+  """An inline call's outcome, read as the loop reads a done Future."""
+
+  def __init__(self, value, error: Exception | None = None):
+    self.value, self.error = value, error
+
+  def done(self) -> bool:
+    return True
+
+  def result(self):
+    if self.error is not None:
+      raise self.error
+    return self.value
+
+
+class EnvCall:
+  """An environment call on the pool; `started` is set when a thread runs it. An
+  `inline` environment's call runs here, on the caller's thread (a pure scorer)."""
+
+  def __init__(self, pool: cf.ThreadPoolExecutor, fn: Callable, *args, inline: bool = False):
+    self.submitted, self.started = time.perf_counter(), None
+    self.seconds = 0.0
+    if inline:  # a finished call: no Future's lock and condition per episode
+      self.started = self.submitted
+      try:
+        self.future = _Done(fn(*args))
+      except Exception as e:  # noqa: BLE001 (named by the loop, as a pooled call's)
+        self.future = _Done(None, e)
+      self.seconds = time.perf_counter() - self.started
+      return
+
+    def run():
+      self.started = time.perf_counter()
+      try:
+        return fn(*args)
+      finally:
+        self.seconds = time.perf_counter() - self.started
+
+    self.future = pool.submit(run)
