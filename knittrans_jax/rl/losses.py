@@ -180,8 +180,8 @@ def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.
                     config: LossConfig, ref_logp: jax.Array | None = None,
                     mask: jax.Array | None = None, seq_ids: jax.Array | None = None):
   """Per-token loss terms (to be summed under the aggregation's weights), each token's
-  ratio, the clip indicator and the corrected indicator (behaviour_correction), for
-  `config.policy_loss` (rl/objectives.py).
+  ratio, the clip indicator and the corrected indicator (behaviour_correction; None
+  without one), for `config.policy_loss` (rl/objectives.py).
   `advantages`: per row [B], or per token [B, T] (a packed batch); `mask` and
   `seq_ids` (sequence_ids) are needed by the sequence-level loss (GSPO)."""
   adv = advantages if advantages.ndim == 2 else advantages[:, None]
@@ -195,10 +195,12 @@ def ppo_token_terms(logp: jax.Array, behaviour_logp: jax.Array, advantages: jax.
       config.clip_high, config.is_high)
   # The corrections weigh the policy term only, not the KL penalty below; a masked
   # term is 0 (not 0 x a term that could be inf).
-  weight, corrected = objectives.correction_weights(
-      config.behaviour_correction, logp - behaviour_logp, mask, seq_ids, config.is_low,
-      config.is_high)
-  loss = jnp.where(weight > 0, loss * weight, 0.0)
+  corrected = None  # (no correction: nothing traced for one)
+  if config.behaviour_correction != "none":
+    weight, corrected = objectives.correction_weights(
+        config.behaviour_correction, logp - behaviour_logp, mask, seq_ids, config.is_low,
+        config.is_high)
+    loss = jnp.where(weight > 0, loss * weight, 0.0)
   if config.kl_coef and ref_logp is not None:
     d = ref_logp - logp
     loss = loss + config.kl_coef * (jnp.exp(d) - d - 1.0)

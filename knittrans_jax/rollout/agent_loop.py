@@ -337,7 +337,7 @@ class AgentLoop:
         raise EnvironmentError(name, 0, f"a prompt of {ep.prompt.size} tokens leaves no room for "
                                f"a turn of SamplerConfig.max_new_tokens = {self.max_new_tokens} "
                                f"within AgentConfig.max_tokens = {cfg.max_tokens}")
-      ep.context = [int(t) for t in ep.prompt]
+      ep.context = ep.prompt.tolist()
       return
     tokens, logprobs, versions, reason, gen_s, inserted, engine_s = ep.pending
     ep.pending = None
@@ -350,8 +350,9 @@ class AgentLoop:
     obs = np.zeros(0, np.int32) if last else got.observation
     ep.turns.append(Turn(tokens, logprobs, versions, reason, obs, gen_s, seconds, inserted,
                          engine_s))
-    ep.context += [int(t) for t in tokens] + [int(t) for t in obs]
-    if last:
+    if not last:  # the context a next turn starts from (an ended episode needs none)
+      ep.context += tokens.tolist() + obs.tolist()
+    else:
       ep.end = ("done" if got.done else "max_turns" if len(ep.turns) >= cfg.max_turns
                 else "budget")
       self._close_env(ep)
