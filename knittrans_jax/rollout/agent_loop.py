@@ -141,11 +141,13 @@ class Episode:
 
 @dataclasses.dataclass(frozen=True)
 class EpisodeGroup:
-  """A group whose n episodes all ended; `seconds`: from its `add` to its last end."""
+  """A group whose n episodes all ended; `seconds`: from its `add` to its last end;
+  `image`: the one its requests carried (the store keeps it once)."""
   group_id: int
   source: str
   episodes: tuple[Episode, ...]
   seconds: float
+  image: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -416,6 +418,6 @@ class AgentLoop:
         del self.groups[g.group_id]
         out.append(EpisodeGroup(g.group_id, g.source, tuple(
             Episode(ep.prompt, tuple(ep.turns), ep.reward, ep.end, ep.env_s, ep.info)
-            for ep in g.episodes), time.perf_counter() - g.added))
+            for ep in g.episodes), time.perf_counter() - g.added, g.image))
     return out
 

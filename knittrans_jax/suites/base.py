@@ -191,8 +191,8 @@ class TaskSuite:
     """A finished group's trajectories, and its image (stored once, hashed once).
     One-step episodes keep no turn spans (a trajectory with turns is an episode in
     metrics.jsonl); their time is the engine's (`seconds`)."""
-    image = self.stored_image(task)
-    images = [Image.of(image)] if image is not None else []
+    # The image the group's requests carried (made once, in `start`), hashed once here.
+    images = [Image.of(group.image)] if group.image is not None else []
     ids, seconds = tuple(im.id for im in images), self.seconds(group) or 0.0
     out = []
     for i, ep in enumerate(group.episodes):
